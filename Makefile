@@ -1,0 +1,37 @@
+# kvgate: `make run` starts a local fleet, `make test` runs the whole suite.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: run test bench install install-test clean
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# One stamp per extra set, redone whenever pyproject.toml changes.
+$(VENV)/.installed-core: pyproject.toml | $(VENV)/bin/python
+	$(PIP) install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/python
+	$(PIP) install --quiet -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed-core
+install-test: $(VENV)/.installed-test
+
+run: $(VENV)/.installed-core
+	$(VENV)/bin/kvgate up
+
+# Finds a Redis server that answers (KVGATE_REDIS_URL, then 127.0.0.1:6379) or starts
+# one on a free port, and runs pytest with KVGATE_REDIS_URL pointing at it.
+test: $(VENV)/.installed-test
+	$(PY) scripts/ensure_redis.py --exec $(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed-core
+	$(PY) bench/indexer.py --quick
+
+clean:
+	rm -rf $(VENV) .redis-test .pytest_cache
