@@ -45,6 +45,9 @@ def token_array(token_ids: TokenIds) -> array:
     """Token ids as an `array` of uint32, the form the router keeps a prompt in."""
     if isinstance(token_ids, array) and token_ids.typecode == _U32:
         return token_ids
+    if isinstance(token_ids, (bytes, bytearray, memoryview)):
+        # array() would take these as raw machine values, not as one id per byte.
+        token_ids = list(token_ids)
     try:
         return array(_U32, token_ids)
     except OverflowError:
@@ -53,13 +56,9 @@ def token_array(token_ids: TokenIds) -> array:
 
 def token_bytes(token_ids: TokenIds) -> bytes:
     """Token ids as little-endian uint32 bytes, the input of every block hash."""
-    if isinstance(token_ids, array) and token_ids.typecode == _U32 and not _NEEDS_SWAP:
-        return token_ids.tobytes()
-    try:
-        packed = array(_U32, token_ids)
-    except OverflowError:
-        raise ValueError(f"token ids must be in [0, {_MAX_TOKEN_ID}]") from None
+    packed = token_array(token_ids)
     if _NEEDS_SWAP:
+        packed = array(_U32, packed)  # a copy: never swap the caller's array in place
         packed.byteswap()
     return packed.tobytes()
 

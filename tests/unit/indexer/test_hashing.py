@@ -54,6 +54,11 @@ def test_array_and_list_inputs_agree():
     assert token_array(array("I", tokens)).tolist() == tokens
 
 
+def test_bytes_are_one_token_per_byte():
+    assert token_array(b"\x01\x02\x03\x04").tolist() == [1, 2, 3, 4]
+    assert hash_prompt(b"abcd", 2) == hash_prompt([97, 98, 99, 100], 2)
+
+
 @pytest.mark.parametrize("bad", [[-1], [2**32]])
 def test_out_of_range_token_ids_rejected(bad):
     with pytest.raises(ValueError):

@@ -7,8 +7,8 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models, pre_tokenizers
 
-from router import chat_template
-from router.chat_template import (
+from indexer import chat_template
+from indexer.chat_template import (
     DEFAULT_CHAT_TEMPLATE,
     ChatTemplateError,
     compile_chat_template,
@@ -16,7 +16,7 @@ from router.chat_template import (
     render_and_encode,
     render_chat,
 )
-from router.tokenizer import ByteTokenizer, load_tokenizer
+from indexer.tokenizer import ByteTokenizer, load_tokenizer
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},

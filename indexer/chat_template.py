@@ -23,8 +23,6 @@ that does not HTML-escape, `raise_exception`, `strftime_now`), with `messages`,
 `add_generation_prompt`, `bos_token` and `eos_token`; so the gateway renders the same
 prompt as vLLM and SGLang workers do. Templates that call `strftime_now` depend on
 the date, as they do there. Compiled templates are cached by source.
-
-NOTE: imports nothing from `router` (see `tokenizer`), so it can move with it.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from router.tokenizer import Tokenizer
+from indexer.tokenizer import Tokenizer
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from indexer.hashing import hash_prompt, token_array
-from router.tokenizer import (
+from indexer.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     TokenizerError,
@@ -357,7 +357,7 @@ def test_prompt_ids_with_hf_tokenizer(tmp_path):
 
 _SUBPROCESS = """
 import json, sys
-from router.tokenizer import load_tokenizer
+from indexer.tokenizer import load_tokenizer
 texts = json.loads(sys.argv[2])
 print(json.dumps([load_tokenizer(spec).encode(t).tolist() for spec in (None, sys.argv[1]) for t in texts]))
 """

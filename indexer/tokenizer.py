@@ -19,8 +19,8 @@ Invariants:
 - Output depends only on the text and the tokenizer files: never on the Python
   process, PYTHONHASHSEED or the platform.
 
-NOTE: this module and `chat_template` import nothing from `router`, so they can move
-to a package both `router/` and `worker/` may import.
+It lives in `indexer/` beside the block hashing it feeds, so that both the router and
+the worker can import it (dependencies point down only).
 """
 
 from __future__ import annotations
