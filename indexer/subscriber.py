@@ -1,0 +1,245 @@
+"""One worker's KV event stream into the prefix index: ordering, gaps, replay and resync.
+
+An `EventSubscriber` owns one asyncio ZMQ SUB socket connected to one worker's events
+endpoint (vLLM's `[topic, seq, payload]` messages) and feeds the batches, in seq
+order, to `index.apply((worker_id, dp_rank), batch)`. It is the only writer of the
+index entries of the worker keys it feeds. The router starts one per worker endpoint
+and reads `stats`.
+
+Invariants:
+- Batches are applied in strictly increasing seq order, each at most once.
+- Missing batches (a gap in seq, or history from before the router started) are
+  fetched from the worker's replay endpoint (DEALER `[b"", start]`, answered with
+  `[b"", seq, payload]` until seq -1). Where replay cannot cover the whole gap, every
+  worker key this subscriber fed is cleared before going on: the index may then miss
+  blocks (it refills as the worker caches more) but never keeps a removed one.
+- A seq at or below the last one means the publisher restarted: clear, then catch up
+  from seq 0 by replay where possible.
+- A malformed message is counted and skipped; it never advances `last_seq`.
+
+NOTE: a publisher that restarts and sends more batches than the old one had before
+the subscriber reconnects is indistinguishable from a gap (vLLM's protocol carries no
+publisher epoch); its replayed history is applied over the old entries.
+
+`run()` never awaits in the middle of an index mutation: replayed batches are all
+fetched and decoded before the first is applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import zmq
+import zmq.asyncio
+
+from indexer.events import BatchDecoder, EventBatch, MalformedBatch, decode_seq, encode_seq
+
+logger = logging.getLogger(__name__)
+
+WorkerKey = tuple[str, int]
+
+
+class EventSink(Protocol):
+    """What the subscriber needs of the index (`indexer.index.PrefixIndex` fits)."""
+
+    def apply(self, worker: WorkerKey, batch: EventBatch) -> Any: ...
+
+    def clear(self, worker: WorkerKey) -> Any: ...
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    num_messages: int = 0  # live messages received, malformed ones included
+    num_batches: int = 0  # batches applied, live and replayed
+    num_events: int = 0
+    num_gaps: int = 0  # times batches were missing (startup and restarts included)
+    num_replays: int = 0  # replayed batches applied
+    num_resyncs: int = 0  # times the fed keys were cleared because history was lost
+    num_restarts: int = 0  # publisher restarts seen (seq went back)
+    num_malformed: int = 0
+    last_seq: int | None = None
+    last_message_at: float | None = None  # time.monotonic() of the last live message
+
+
+class EventSubscriber:
+    """Feeds one worker events endpoint into a prefix index (see the module docstring)."""
+
+    def __init__(
+        self,
+        index: EventSink,
+        worker_id: str,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        topic: str = "",
+        dp_rank: int | None = None,
+        replay_timeout_s: float = 1.0,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        if replay_timeout_s <= 0:
+            raise ValueError("replay_timeout_s must be positive")
+        self.index = index
+        self.worker_id = worker_id
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.dp_rank = dp_rank
+        self.replay_timeout_s = replay_timeout_s
+        self.stats = SubscriberStats()
+        self._topic = topic.encode()
+        self._given_context = context
+        self._context: zmq.asyncio.Context | None = None
+        self._decoder = BatchDecoder()
+        self._fed: set[WorkerKey] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Receives and applies batches until cancelled; sockets are closed on the way out.
+
+        Without a `context`, one is made and terminated here; pass a shared one when
+        running many subscribers (each context has its own I/O thread).
+        """
+        owned = self._given_context is None
+        self._context = zmq.asyncio.Context() if owned else self._given_context
+        assert self._context is not None
+        sock = self._context.socket(zmq.SUB)
+        try:
+            sock.setsockopt(zmq.SUBSCRIBE, self._topic)
+            sock.connect(self.endpoint)
+            while True:
+                await self.handle(await sock.recv_multipart())
+        finally:
+            sock.close(linger=0)
+            if owned:
+                self._context.term()
+            self._context = None
+
+    def start(self) -> asyncio.Task[None]:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self.run(), name=f"kv-subscriber {self.worker_id}")
+        return self._task
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is None:
+            return
+        task.cancel()
+        # wait() rather than await: a cancellation of stop() itself still propagates.
+        await asyncio.wait([task])
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("kv subscriber %s had failed: %r", self.worker_id, task.exception())
+
+    # -- one live message ----------------------------------------------------------
+
+    async def handle(self, frames: list[bytes]) -> None:
+        """Applies one live `[topic, seq, payload]` message, catching up first if needed."""
+        self.stats.num_messages += 1
+        self.stats.last_message_at = time.monotonic()
+        parsed = self._parse(frames)
+        if parsed is None:
+            return
+        seq, batch = parsed
+        last = self.stats.last_seq
+        expected = 0 if last is None else last + 1
+        resync_if_uncovered = True
+        if seq < expected:
+            self.stats.num_restarts += 1
+            self._resync(batch, f"publisher restarted (seq {seq} after {last})")
+            expected, resync_if_uncovered = 0, False
+        if seq > expected:
+            await self._catch_up(expected, seq, batch, resync=resync_if_uncovered)
+        self._apply(seq, batch)
+
+    def _parse(self, frames: list[bytes]) -> tuple[int, EventBatch] | None:
+        try:
+            if len(frames) != 3:
+                raise MalformedBatch(f"{len(frames)} frames, expected 3")
+            seq = decode_seq(frames[1])
+            if seq < 0:
+                raise MalformedBatch(f"negative seq {seq} on the live stream")
+            return seq, self._decoder.decode(frames[2])
+        except MalformedBatch as exc:
+            self._count_malformed(f"skipped a malformed message: {exc}")
+            return None
+
+    def _count_malformed(self, reason: str) -> None:
+        self.stats.num_malformed += 1
+        num_malformed = self.stats.num_malformed
+        # A peer sending garbage in a loop must not flood the log.
+        level = logging.WARNING if num_malformed in (1, 10, 100) or num_malformed % 1000 == 0 else logging.DEBUG
+        logger.log(level, "kv subscriber %s (%d malformed): %s", self.worker_id, num_malformed, reason)
+
+    def _key(self, batch: EventBatch) -> WorkerKey:
+        if self.dp_rank is not None:
+            return (self.worker_id, self.dp_rank)
+        return (self.worker_id, batch.data_parallel_rank or 0)
+
+    def _apply(self, seq: int, batch: EventBatch) -> None:
+        key = self._key(batch)
+        self.index.apply(key, batch)
+        self._fed.add(key)
+        self.stats.num_batches += 1
+        self.stats.num_events += len(batch.events)
+        self.stats.last_seq = seq
+
+    def _resync(self, live_batch: EventBatch, reason: str) -> None:
+        """Clears every key this subscriber fed (and the live batch's): history is lost."""
+        for key in self._fed | {self._key(live_batch)}:
+            self.index.clear(key)
+        self.stats.num_resyncs += 1
+        logger.warning("kv subscriber %s: resync, cleared its index entries: %s", self.worker_id, reason)
+
+    # -- gaps ----------------------------------------------------------------------
+
+    async def _catch_up(self, start: int, end: int, live_batch: EventBatch, *, resync: bool) -> None:
+        """Applies the batches `start..end-1` from replay, or resyncs if it cannot."""
+        self.stats.num_gaps += 1
+        replayed = await self._fetch_replay(start, end)
+        if replayed is None:
+            if resync:
+                self._resync(live_batch, f"replay could not cover seq {start}..{end - 1}")
+            return
+        for offset, batch in enumerate(replayed):
+            self._apply(start + offset, batch)
+        self.stats.num_replays += len(replayed)
+
+    async def _fetch_replay(self, start: int, end: int) -> list[EventBatch] | None:
+        """The decoded batches `start..end-1` from the replay endpoint, or None if any is
+        missing, undecodable or late."""
+        if self.replay_endpoint is None or self._context is None:
+            return None
+        # A fresh socket per request, so a late answer to an earlier one is never read.
+        sock = self._context.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.connect(self.replay_endpoint)
+            async with asyncio.timeout(self.replay_timeout_s):
+                await sock.send_multipart([b"", encode_seq(start)])
+                return await self._read_replay(sock, start, end)
+        except TimeoutError:
+            logger.warning("kv subscriber %s: replay from seq %d timed out", self.worker_id, start)
+            return None
+        finally:
+            sock.close(linger=0)
+
+    async def _read_replay(self, sock: zmq.asyncio.Socket, start: int, end: int) -> list[EventBatch] | None:
+        replayed: list[EventBatch] = []
+        while start + len(replayed) < end:
+            frames = await sock.recv_multipart()
+            try:
+                if len(frames) != 3 or frames[0] != b"":
+                    raise MalformedBatch(f"replay answer of {len(frames)} frames")
+                seq = decode_seq(frames[1])
+                if seq != start + len(replayed):
+                    return None  # the end marker, or a hole: the buffer does not cover it
+                replayed.append(self._decoder.decode(frames[2]))
+            except MalformedBatch as exc:
+                self._count_malformed(f"malformed replay answer: {exc}")
+                return None
+        return replayed
+
