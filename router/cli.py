@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 # name -> (module, one-line help). A module provides `add_arguments(parser)` and
-# `run(args) -> int`.
+# `run(args) -> int`. NOTE: no flag may be argparse-`required`: argparse would demand it
+# on the command line even when the config file or the environment sets it; `run`
+# checks required values instead.
 COMMANDS: dict[str, tuple[str, str]] = {
-
+    "events": ("router.events_cmd", "follow workers' KV events into a prefix index and print it"),
 }
 
 ENV_PREFIX = "KVGATE_"
@@ -123,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if not rest else 2
     parser, module = command_parser(known.command)
     sub_argv = argv[argv.index(known.command) + 1 :]
-    config_path = parser.parse_known_args(sub_argv)[0].config or known.config or os.environ.get("KVGATE_CONFIG")
+    config_only = argparse.ArgumentParser(add_help=False)
+    config_only.add_argument("--config")
+    config_path = config_only.parse_known_args(sub_argv)[0].config or known.config or os.environ.get("KVGATE_CONFIG")
     try:
         config = load_config_file(config_path) if config_path else {}
         parser.set_defaults(**layered_defaults(parser, known.command, config, os.environ))

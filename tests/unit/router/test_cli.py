@@ -61,3 +61,13 @@ def test_console_script_help_lists_commands():
     assert "usage: kvgate" in out.stdout
     for name in cli.COMMANDS:
         assert name in out.stdout
+
+
+def test_values_from_a_config_file_reach_the_command(tmp_path):
+    config = tmp_path / "kvgate.toml"
+    config.write_text('[events]\nevents = ["tcp://127.0.0.1:1"]\nblock_size = 0\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "router.cli", "events", "--config", str(config)], capture_output=True, text=True
+    )
+    # The endpoint came from the file (no "give at least one --events"); so did block_size.
+    assert out.returncode != 0 and "--block-size and --interval must be positive" in out.stderr
