@@ -17,9 +17,11 @@ Invariants:
   from seq 0 by replay where possible.
 - A malformed message is counted and skipped; it never advances `last_seq`.
 
-NOTE: a publisher that restarts and sends more batches than the old one had before
-the subscriber reconnects is indistinguishable from a gap (vLLM's protocol carries no
-publisher epoch); its replayed history is applied over the old entries.
+- A reconnection (the SUB socket's monitor saw the connection drop) followed by any
+  seq other than last + 1 is also taken for a restart: vLLM's protocol carries no
+  publisher epoch, and a restarted publisher may already be past the old last seq by
+  the time the socket reconnects; mistaking its history for a gap would apply it over
+  the old process's entries.
 
 `run()` never awaits in the middle of an index mutation: replayed batches are all
 fetched and decoded before the first is applied.
@@ -95,6 +97,7 @@ class EventSubscriber:
         self._decoder = BatchDecoder()
         self._fed: set[WorkerKey] = set()
         self._task: asyncio.Task[None] | None = None
+        self._reconnected = False  # the connection dropped since the last live message
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -108,16 +111,40 @@ class EventSubscriber:
         self._context = zmq.asyncio.Context() if owned else self._given_context
         assert self._context is not None
         sock = self._context.socket(zmq.SUB)
+        monitor = self._open_monitor(sock)
         try:
             sock.setsockopt(zmq.SUBSCRIBE, self._topic)
             sock.connect(self.endpoint)
             while True:
-                await self.handle(await sock.recv_multipart())
+                frames = await sock.recv_multipart()
+                if self._saw_disconnect(monitor):
+                    self._reconnected = True
+                await self.handle(frames)
         finally:
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=0)
             if owned:
                 self._context.term()
             self._context = None
+
+    def _open_monitor(self, sock: zmq.asyncio.Socket) -> zmq.Socket:
+        """A synchronous PAIR receiving the SUB socket's disconnect events, read without
+        awaiting when a message arrives."""
+        assert self._context is not None
+        address = f"inproc://kv-subscriber-monitor-{id(self)}"
+        sock.monitor(address, zmq.EVENT_DISCONNECTED)
+        monitor = zmq.Context.shadow(self._context.underlying).socket(zmq.PAIR)
+        monitor.connect(address)
+        return monitor
+
+    @staticmethod
+    def _saw_disconnect(monitor: zmq.Socket) -> bool:
+        seen = False
+        while monitor.poll(0):
+            monitor.recv_multipart()
+            seen = True
+        return seen
 
     def start(self) -> asyncio.Task[None]:
         if self._task is None or self._task.done():
@@ -147,7 +174,8 @@ class EventSubscriber:
         last = self.stats.last_seq
         expected = 0 if last is None else last + 1
         resync_if_uncovered = True
-        if seq < expected:
+        reconnected, self._reconnected = self._reconnected, False
+        if seq < expected or (reconnected and seq != expected):
             self.stats.num_restarts += 1
             self._resync(batch, f"publisher restarted (seq {seq} after {last})")
             expected, resync_if_uncovered = 0, False

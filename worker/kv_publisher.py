@@ -9,7 +9,8 @@
   `[client_id, b"", seq, payload]` per buffered seq >= start, then the end marker
   `[client_id, b"", -1, b""]`. A DEALER client receives the whole answer; a REQ
   client (vLLM's example) receives only its first message, REQ being one reply per
-  request, so it asks again from `seq + 1`.
+  request (the rest of the answer may still reach it after its next request, so
+  subscribers should use DEALER, as `indexer.subscriber` does).
 
 NOTE: `publish()` assigns the seq on the caller's side, before queueing. A batch
 dropped because the queue is full therefore leaves a hole in the seq stream and

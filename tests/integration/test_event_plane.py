@@ -193,6 +193,27 @@ async def test_a_restarted_worker_replaces_its_index_entries(plane, tmp_path):
     assert (sub.stats.num_restarts - before.num_restarts, sub.stats.num_resyncs - before.num_resyncs) == (1, 1)
 
 
+async def test_a_restarted_worker_already_past_the_old_seq_is_not_taken_for_a_gap(plane, tmp_path):
+    spawn, subscribe = plane
+    endpoints = {"endpoint": f"ipc://{tmp_path}/events", "replay_endpoint": f"ipc://{tmp_path}/replay"}
+    first = await spawn(seed=7, **endpoints)
+    index = PrefixIndex(BLOCK_SIZE)
+    sub = subscribe(index, first)
+    await join(sub, first)
+    old_last_seq = await catch_up(sub, first)
+    assert index.worker_block_hashes(WORKER)
+    await first.close()
+
+    # The new process publishes thousands of batches at once: the subscriber most likely
+    # reconnects in the middle, at a seq far past the old process's last one.
+    second = await spawn(seed=8, **endpoints)
+    await second.command("run")
+    pool_hashes = await run_to_end(sub, second)
+    assert sub.stats.last_seq > old_last_seq + 1
+    assert index.worker_block_hashes(WORKER) == pool_hashes
+    assert sub.stats.num_restarts >= 1
+
+
 async def test_garbage_on_the_socket_is_counted_and_skipped(plane):
     spawn, subscribe = plane
     child = await spawn(seed=6, garbage_every=50)
