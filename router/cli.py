@@ -28,6 +28,7 @@ from typing import Any
 # checks required values instead.
 COMMANDS: dict[str, tuple[str, str]] = {
     "events": ("router.events_cmd", "follow workers' KV events into a prefix index and print it"),
+    "worker": ("worker.worker_cmd", "run a worker: the simulated engine (sim)"),
 }
 
 ENV_PREFIX = "KVGATE_"

@@ -1,0 +1,211 @@
+"""The batching core of a worker engine: continuous batching, chunked prefill, preemption.
+
+Owns `Scheduler` (which requests compute how many tokens in each step, over a
+`worker.block_pool.BlockPool`), `RequestState` (a request's tokens and progress),
+`Step` (one step's plan and cost drivers) and `StepResult` (a sampled token).
+Engine-agnostic: the engine supplies the batch limits (`BatchLimits`) and each
+request's next token (`TokenSource`), runs the step's compute between `schedule` and
+`finish_step`, and publishes the pool's KV events. The simulated engine
+(`worker/sim.py`) drives one; the torch engine is meant to reuse it. Pure and
+synchronous: no I/O, no clock.
+
+Each step schedules running requests first (admission order: the rest of a prompt or
+one decode token each, within `max_num_batched_tokens`: chunked prefill), then admits
+waiting ones in arrival order while `max_num_seqs` and the budget allow. `allocate`
+reserves the whole prompt and reports the prefix-cache hit: only the uncached tail is
+computed; a request whose blocks do not fit waits. A running request that needs a
+block when none is free preempts the newest one (recompute: its blocks are freed, it
+goes back to the queue's front with its output so far, and is re-prefilled later).
+
+Invariants: one owner (the engine's step loop) mutates it, and only between steps
+(new requests and aborts wait for a step boundary); every request fits the pool on
+its own (`prompt + max_tokens <= max_model_len <= num_blocks * block_size`, which the
+engine checks), so the oldest request always progresses.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+from worker.block_pool import BlockPool, NoFreeBlocks
+
+
+class BatchLimits(Protocol):
+    """The engine's batching limits (`worker.sim.SimConfig` is one)."""
+
+    @property
+    def max_num_seqs(self) -> int: ...
+
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+
+
+class TokenSource(Protocol):
+    """Where a request's output tokens come from: the model's samples (the sim's script)."""
+
+    def next_token(self) -> int: ...
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """A request's tokens (prompt, then outputs) and its progress."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    max_tokens: int
+    token_source: TokenSource
+    eos_token_id: int | None  # None: never stop on EOS (ignore_eos, or no EOS token)
+    num_output_tokens: int = 0
+    num_cached_tokens: int | None = None  # the prefix hit at first admission
+    in_prefill: bool = True  # since the last admission, no token sampled yet
+
+
+@dataclass(slots=True)
+class Step:
+    """What one step computes: (request, number of tokens) pairs, and the step's cost drivers."""
+
+    scheduled: list[tuple[RequestState, int]] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_seqs: int = 0
+
+
+class StepResult(NamedTuple):
+    """A token sampled for a request in one step, and whether it finished the request."""
+
+    request: RequestState
+    token_id: int
+    finish_reason: str | None
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill and preemption over a `BlockPool`."""
+
+    def __init__(self, config: BatchLimits, pool: BlockPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
+        self.num_prompt_tokens = 0
+        self.num_cached_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: RequestState) -> None:
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Drops a waiting or running request, freeing its blocks; False if unknown."""
+        for queue in (self.waiting, self.running):
+            request = next((r for r in queue if r.request_id == request_id), None)
+            if request is not None:
+                queue.remove(request)
+                if self.pool.has_request(request_id):
+                    self.pool.free(request_id)
+                return True
+        return False
+
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens not yet computed, of running requests in prefill and all waiting ones."""
+        pending = sum(len(r.token_ids) for r in self.waiting)
+        for request in self.running:
+            if request.in_prefill:
+                pending += len(request.token_ids) - self.pool.num_computed_tokens(request.request_id)
+        return pending
+
+    def schedule(self) -> Step:
+        step = Step()
+        budget = self.config.max_num_batched_tokens
+        num_preempted = self.num_preemptions
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            if not self._reserve(request):
+                break  # it preempted itself: every request after it is gone too
+            budget -= self._add_to_step(step, request, budget)
+            index += 1
+        if self.num_preemptions == num_preempted:
+            self._admit(step, budget)
+        self.num_steps += 1
+        return step
+
+    def finish_step(self, step: Step) -> list[StepResult]:
+        """Commits the step's KV and samples a token for every request whose tokens are all computed."""
+        results = []
+        for request, num_tokens in step.scheduled:
+            num_computed = self.pool.num_computed_tokens(request.request_id) + num_tokens
+            self.pool.commit(request.request_id, num_computed)
+            if num_computed < len(request.token_ids):
+                continue  # a prefill chunk: no logits yet
+            token_id = request.token_source.next_token()
+            request.token_ids.append(token_id)
+            request.num_output_tokens += 1
+            request.in_prefill = False
+            finish_reason = self._finish_reason(request, token_id)
+            if finish_reason is not None:
+                self.pool.free(request.request_id)
+            results.append(StepResult(request, token_id, finish_reason))
+        self.num_generation_tokens += len(results)
+        if any(r.finish_reason is not None for r in results):
+            done = {id(r.request) for r in results if r.finish_reason is not None}
+            self.running = [r for r in self.running if id(r) not in done]
+        return results
+
+    def _add_to_step(self, step: Step, request: RequestState, budget: int) -> int:
+        num_new = len(request.token_ids) - self.pool.num_computed_tokens(request.request_id)
+        num_tokens = min(num_new, budget)
+        step.scheduled.append((request, num_tokens))
+        if request.in_prefill:
+            step.num_prefill_tokens += num_tokens
+        else:
+            step.num_decode_seqs += 1
+        return num_tokens
+
+    def _reserve(self, request: RequestState) -> bool:
+        """Gives the pool the request's sampled tokens, preempting from the tail for room;
+        False if the request had to preempt itself."""
+        pending = request.token_ids[self.pool.num_tokens(request.request_id) :]
+        if not pending:
+            return True
+        while not self.pool.can_append(request.request_id, len(pending)):
+            # The newest request loses the least work; recompute needs no swap space.
+            victim = self.running.pop()
+            self.pool.free(victim.request_id)
+            victim.in_prefill = True
+            self.waiting.appendleft(victim)
+            self.num_preemptions += 1
+            if victim is request:
+                return False
+        self.pool.append(request.request_id, pending)
+        return True
+
+    def _admit(self, step: Step, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            try:
+                num_hit = self.pool.allocate(request.request_id, request.token_ids)
+            except NoFreeBlocks:
+                # First come, first served: a smaller request behind may fit, but letting it
+                # overtake could starve a long prompt forever.
+                return
+            self.waiting.popleft()
+            self.running.append(request)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_hit
+                self.num_prompt_tokens += request.num_prompt_tokens
+                self.num_cached_prompt_tokens += num_hit
+            budget -= self._add_to_step(step, request, budget)
+
+    @staticmethod
+    def _finish_reason(request: RequestState, token_id: int) -> str | None:
+        if request.eos_token_id is not None and token_id == request.eos_token_id:
+            return "stop"
+        if request.num_output_tokens >= request.max_tokens:
+            return "length"
+        return None

@@ -1,0 +1,251 @@
+"""`kvgate worker`: one worker process: an engine, its OpenAI HTTP server and its publishers.
+
+Builds the engine named by `--engine` (`sim` now; `torch` comes with the reference
+model), serves it with `worker.server`, and once the HTTP port and the ZMQ endpoints
+are bound prints ONE JSON line on stdout:
+
+    {"event": "ready", "url", "events_endpoint", "replay_endpoint", "load_endpoint",
+     "worker_id", "model", "block_size"}
+
+Port 0 (HTTP) and `:0` or `:*` (ZMQ) pick free ports; the ready line has the real ones,
+which is how `kvgate up` and the tests find them. Logs go to stderr only.
+
+With `--router URL` the worker registers itself through the router's admin API
+(`POST {router}/admin/workers`), re-posts the same body every `--heartbeat-interval`
+seconds (the router answers 200 to an identical re-registration), and deregisters
+(`DELETE {router}/admin/workers/{id}`) on shutdown; `--router-token` (or
+KVGATE_ROUTER_TOKEN) is sent as a bearer token. A router that is down only delays
+registration: the worker keeps trying.
+
+SIGTERM or SIGINT: deregister, stop accepting (new requests get 503), let requests in
+flight finish for up to `--shutdown-timeout` seconds, stop the engine, close the
+publishers and sockets, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+import uvloop
+import zmq
+
+from indexer.tokenizer import TokenizerError, load_tokenizer
+from worker.api import ServedModel
+from worker.server import ServerConfig, create_app, start_server
+from worker.sim import SimConfig, SimEngine
+
+logger = logging.getLogger("kvgate.worker")
+
+ENGINES = ("sim",)
+ROLES = ("both", "decode", "prefill")
+# SimConfig field -> the flag that sets it, where the two names differ.
+_FLAG_OF_FIELD = {"load_interval_s": "--load-interval"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    server = parser.add_argument_group("server")
+    server.add_argument("--engine", choices=ENGINES, default="sim", help="the engine to run (default: sim)")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--port", type=int, default=8001, help="HTTP port (0: any free port)")
+    server.add_argument("--model", default="kvgate-sim", help="the model name served (also the KV hash namespace)")
+    server.add_argument("--worker-id", help="this worker's id (default: <engine>-<hostname>-<pid>)")
+    server.add_argument("--role", choices=ROLES, default="both", help="the role announced to the router")
+    server.add_argument("--tokenizer", default="byte", help="'byte' or a tokenizer.json path, as the router uses")
+    server.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="largest request body accepted")
+    server.add_argument(
+        "--shutdown-timeout", type=float, default=5.0, help="seconds in-flight requests get on shutdown"
+    )
+    server.add_argument("--log-level", default="INFO", help="logging level (to stderr)")
+    kv = parser.add_argument_group("KV cache and batching")
+    kv.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    kv.add_argument("--num-blocks", type=int, default=4096, help="KV blocks in the pool")
+    kv.add_argument("--max-model-len", type=int, default=0, help="max prompt + output tokens (0: the whole pool)")
+    kv.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
+    kv.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens computed per step")
+    events = parser.add_argument_group("KV events and load reports (empty string: off)")
+    events.add_argument("--events-endpoint", default="tcp://127.0.0.1:5557", help="ZMQ PUB endpoint of KV events")
+    events.add_argument("--replay-endpoint", default="tcp://127.0.0.1:5558", help="ZMQ ROUTER endpoint for replay")
+    events.add_argument("--load-endpoint", default="tcp://127.0.0.1:5559", help="ZMQ PUB endpoint of load reports")
+    events.add_argument("--load-interval", type=float, default=0.1, help="seconds between periodic load reports")
+    timing = parser.add_argument_group("sim engine timing (milliseconds, divided by --speedup)")
+    timing.add_argument("--speedup", type=float, default=1.0, help="run the timing model this many times faster")
+    timing.add_argument("--step-overhead-ms", type=float, default=1.0, help="fixed cost of every step")
+    timing.add_argument("--prefill-ms-per-token", type=float, default=0.05, help="cost per uncached prompt token")
+    timing.add_argument("--decode-ms-per-step", type=float, default=12.0, help="cost of a step that decodes")
+    timing.add_argument("--decode-ms-per-seq", type=float, default=0.1, help="extra cost per decoding sequence")
+    router = parser.add_argument_group("router registration")
+    router.add_argument("--router", help="router base URL to register with (e.g. http://127.0.0.1:8000)")
+    router.add_argument("--router-token", help="the router's admin bearer token (env: KVGATE_ROUTER_TOKEN)")
+    router.add_argument("--heartbeat-interval", type=float, default=2.0, help="seconds between re-registrations")
+    router.add_argument("--advertise-url", help="URL the router should use for this worker (default: the bound one)")
+
+
+def sim_config(args: argparse.Namespace) -> SimConfig:
+    """The engine config from the flags; `SystemExit` naming the flag when one is invalid."""
+    try:
+        return SimConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            step_overhead_ms=args.step_overhead_ms,
+            prefill_ms_per_token=args.prefill_ms_per_token,
+            decode_ms_per_step=args.decode_ms_per_step,
+            decode_ms_per_seq=args.decode_ms_per_seq,
+            speedup=args.speedup,
+            load_interval_s=args.load_interval,
+        )
+    except ValueError as exc:
+        field_name, _, rest = str(exc).partition(" ")
+        flag = _FLAG_OF_FIELD.get(field_name, "--" + field_name.replace("_", "-"))
+        raise SystemExit(f"kvgate worker: {flag} {rest}") from None
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    problems = []
+    if not 0 <= args.port <= 65535:
+        problems.append("--port must be in [0, 65535]")
+    if args.max_body_bytes <= 0 or args.shutdown_timeout < 0 or args.heartbeat_interval <= 0:
+        problems.append("--max-body-bytes and --heartbeat-interval must be positive, --shutdown-timeout >= 0")
+    if not args.model:
+        problems.append("--model must not be empty")
+    if not isinstance(logging.getLevelName(args.log_level.upper()), int):
+        problems.append(f"--log-level must be a logging level name, got {args.log_level!r}")
+    if problems:
+        raise SystemExit("kvgate worker: " + "; ".join(problems))
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    config = sim_config(args)
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+    except TokenizerError as exc:
+        raise SystemExit(f"kvgate worker: --tokenizer: {exc}") from None
+    served = ServedModel(args.model, tokenizer, config.context_len)
+    return uvloop.run(_serve(args, config, served))
+
+
+async def _serve(args: argparse.Namespace, config: SimConfig, served: ServedModel) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    worker_id = args.worker_id or f"{args.engine}-{socket.gethostname()}-{os.getpid()}"
+    engine = SimEngine(
+        config, served, worker_id=worker_id,
+        events_endpoint=args.events_endpoint or None,
+        replay_endpoint=args.replay_endpoint or None,
+        load_endpoint=args.load_endpoint or None,
+    )
+    app = create_app(engine, ServerConfig(max_body_bytes=args.max_body_bytes))
+    try:
+        runner, url = await start_server(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout)
+    except (OSError, zmq.ZMQError) as exc:
+        logger.error("cannot start the worker: %s", exc)
+        return 1
+    ready = {
+        "event": "ready",
+        "url": url,
+        "events_endpoint": engine.kv_publisher.bound_endpoint if engine.kv_publisher else None,
+        "replay_endpoint": engine.kv_publisher.bound_replay_endpoint if engine.kv_publisher else None,
+        "load_endpoint": engine.load_publisher.bound_endpoint if engine.load_publisher else None,
+        "worker_id": worker_id,
+        "model": served.name,
+        "block_size": config.block_size,
+    }
+    print(json.dumps(ready), flush=True)
+    logger.info("worker %s serving %s at %s", worker_id, served.name, url)
+    registrar = None
+    if args.router:
+        registrar = Registrar(args.router, _registration(args, ready), args.router_token, args.heartbeat_interval)
+        registrar.start()
+    try:
+        await stop.wait()
+        logger.info("worker %s shutting down", worker_id)
+    finally:
+        if registrar is not None:
+            await registrar.close()
+        await runner.cleanup()
+    return 0
+
+
+def _registration(args: argparse.Namespace, ready: dict[str, Any]) -> dict[str, Any]:
+    """The admin API's worker body for this worker."""
+    return {
+        "worker_id": ready["worker_id"],
+        "url": args.advertise_url or ready["url"],
+        "role": args.role,
+        "model": ready["model"],
+        "events_endpoint": ready["events_endpoint"],
+        "replay_endpoint": ready["replay_endpoint"],
+        "load_endpoint": ready["load_endpoint"],
+        "block_size": ready["block_size"],
+    }
+
+
+class Registrar:
+    """Keeps this worker registered with a router: POST now and every interval, DELETE at close."""
+
+    def __init__(self, router_url: str, body: dict[str, Any], token: str | None, interval_s: float) -> None:
+        self._base = router_url.rstrip("/")
+        self._body = body
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._interval_s = interval_s
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._ok: bool | None = None  # the last attempt's outcome, to log changes only
+
+    def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=min(5.0, self._interval_s * 2)))
+        self._task = asyncio.create_task(self._run(), name="router-registration")
+
+    async def _run(self) -> None:
+        assert self._session is not None
+        while True:
+            await self._register(self._session)
+            await asyncio.sleep(self._interval_s)
+
+    async def _register(self, session: aiohttp.ClientSession) -> None:
+        url = f"{self._base}/admin/workers"
+        try:
+            async with session.post(url, json=self._body, headers=self._headers) as response:
+                ok, detail = response.status in (200, 201), f"HTTP {response.status}: {(await response.text())[:200]}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
+        if ok != self._ok:
+            if ok:
+                logger.info("registered with the router at %s", self._base)
+            else:
+                logger.warning("cannot register with the router at %s (%s); retrying", self._base, detail)
+        self._ok = ok
+
+    async def close(self) -> None:
+        """Stops the heartbeat and deregisters (best effort, bounded by the session timeout)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task])
+        if self._session is None:
+            return
+        url = f"{self._base}/admin/workers/{quote(self._body['worker_id'], safe='')}"
+        try:
+            async with self._session.delete(url, headers=self._headers) as response:
+                if response.status not in (200, 204, 404):
+                    logger.warning("deregistering from %s: HTTP %d", self._base, response.status)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            logger.warning("cannot deregister from %s: %s", self._base, exc)
+        await self._session.close()
