@@ -29,6 +29,8 @@ from typing import Any
 COMMANDS: dict[str, tuple[str, str]] = {
     "events": ("router.events_cmd", "follow workers' KV events into a prefix index and print it"),
     "worker": ("worker.worker_cmd", "run a worker: the simulated engine (sim)"),
+    "router": ("router.router_cmd", "run the gateway: OpenAI API, KV-aware routing, admin API, metrics"),
+    "up": ("router.up_cmd", "run a router and N local sim workers in one command"),
 }
 
 ENV_PREFIX = "KVGATE_"

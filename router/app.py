@@ -1,0 +1,131 @@
+"""The gateway's aiohttp application: its factory, its lifecycle and the OpenAI-facing routes.
+
+Owns `build_app(config)`: validates the whole `GatewayConfig` up front (tokenizer,
+policy, limits), and opens every resource in one `cleanup_ctx` (the `Gateway` state of
+`router.gateway`: registry with its health probes and ZMQ feeds, the upstream
+connection pool, static workers) so that closing the app closes everything. Routes: `POST /v1/completions`,
+`POST /v1/chat/completions`, `GET /v1/models`, `GET /health`, `GET /ready`,
+`GET /metrics`, and the admin API under `/admin` (`router.admin`).
+
+The request path (`_serve`): API key, admission limit (429), read (413 over
+`max_body_bytes`), parse and tokenize once (`router.requests`), route
+(`router.routing`), forward (`router.proxy`). No logging on it, and its metrics are
+plain counters (`router.metrics`). `kvgate router` (`router.router_cmd`) and `kvgate up` run this app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from indexer.tokenizer import Tokenizer, load_tokenizer
+from router.admin import build_admin_app
+from router.errors import GatewayError, NoEligibleWorker, RateLimited, error_middleware
+from router.gateway import CONFIG, GATEWAY, Gateway, GatewayConfig
+from router.metrics import CONTENT_TYPE
+from router.policy import Policy, build_policy
+from router.policy.config import load_config
+from router.proxy import CLIENT_GONE
+from router.requests import CHAT, COMPLETIONS, parse_request
+
+
+def build_app(config: GatewayConfig) -> web.Application:
+    """The router app; invalid config raises here (ValueError subclasses naming the field)."""
+    tokenizer = load_tokenizer(config.tokenizer)
+    policy = build_policy(config.policy, load_config(config.policy_config))
+    app = web.Application(middlewares=[error_middleware], client_max_size=config.limits.max_body_bytes)
+    app[CONFIG] = config
+    app.cleanup_ctx.append(_gateway_ctx(tokenizer, policy))
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.add_subapp("/admin", build_admin_app(config.admin_token))
+    return app
+
+
+def _gateway_ctx(tokenizer: Tokenizer, policy: Policy):  # noqa: ANN202 - aiohttp's cleanup_ctx shape
+    async def context(app: web.Application) -> AsyncIterator[None]:
+        gateway = Gateway(app[CONFIG], tokenizer, policy)
+        app[GATEWAY] = gateway
+        try:
+            for spec in app[CONFIG].workers:
+                await gateway.registry.add(spec)
+            yield
+        finally:
+            await gateway.close()
+
+    return context
+
+
+# -- OpenAI routes -------------------------------------------------------------------
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, COMPLETIONS, "/v1/completions")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, CHAT, "/v1/chat/completions")
+
+
+async def _serve(request: web.Request, kind: str, route: str) -> web.StreamResponse:
+    gateway = request.app[GATEWAY]
+    started = time.perf_counter()
+    status = 500
+    try:
+        gateway.authorize(request)
+        if gateway.num_in_flight >= gateway.max_concurrent_requests:
+            raise RateLimited(f"the router is serving its limit of {gateway.max_concurrent_requests} requests")
+        gateway.num_in_flight += 1
+        try:
+            raw = await request.read()
+            parsed = parse_request(
+                raw, kind, gateway.tokenizer, gateway.limits, forward_token_ids=gateway.config.forward_token_ids
+            )
+            decision = gateway.core.route(parsed, gateway.next_request_id())
+            response = await gateway.forwarder.forward(request, parsed, decision, gateway.core, started)
+        finally:
+            gateway.num_in_flight -= 1
+        status = CLIENT_GONE if decision.client_gone else response.status
+        return response
+    except (GatewayError, web.HTTPException) as exc:
+        status = exc.status
+        raise
+    except asyncio.CancelledError:
+        status = CLIENT_GONE
+        raise
+    finally:
+        gateway.metrics.observe_request(route, status, time.perf_counter() - started)
+
+
+async def models(request: web.Request) -> web.Response:
+    gateway = request.app[GATEWAY]
+    gateway.authorize(request)
+    data = [
+        {"id": model, "object": "model", "created": gateway.started_at, "owned_by": "kvgate"}
+        for model in gateway.registry.healthy_models()
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    """200 once some worker is in rotation: a load balancer may send traffic here."""
+    num_eligible = len(request.app[GATEWAY].registry.eligible())
+    if not num_eligible:
+        raise NoEligibleWorker("no worker is in rotation yet")
+    return web.json_response({"status": "ready", "num_eligible_workers": num_eligible})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[GATEWAY].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})

@@ -1,0 +1,225 @@
+"""`kvgate up`: a router and N local sim workers, started, watched and stopped as one.
+
+Starts `--workers N` child processes `kvgate worker --engine sim` on free ports (HTTP
+port 0, ZMQ `tcp://127.0.0.1:*`), reads each one's JSON ready line for its real URL
+and endpoints, then serves the router app in this process with those workers as
+static workers, and prints the URL and a curl example (after one JSON ready line,
+`{"event": "ready", "url", "workers": [each worker's ready line and "pid"]}`, for scripts).
+
+Invariants:
+- Every child started is stopped: on SIGTERM or Ctrl-C, on a startup failure, or on
+  any error, each child gets SIGTERM, then SIGKILL after `--stop-timeout` seconds.
+- A child that exits while the fleet runs is reported on stderr with its exit code;
+  the router keeps serving with the others (its health checks drop the dead one).
+- Children do not inherit `KVGATE_*` variables: those configure this command, and
+  would otherwise reconfigure every worker too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvloop
+from aiohttp import web
+
+from router.router_cmd import add_router_arguments, build_or_exit, gateway_config, setup_logging, start_app
+from router.worker_spec import SpecError, WorkerSpec, spec_from_dict
+
+logger = logging.getLogger("kvgate.up")
+_REPO_ROOT = str(Path(__file__).resolve().parents[1])
+_FREE_ZMQ = "tcp://127.0.0.1:*"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_router_arguments(parser)
+    fleet = parser.add_argument_group("local sim workers")
+    fleet.add_argument("--workers", type=int, default=2, help="how many sim workers to start")
+    fleet.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per worker")
+    fleet.add_argument("--speedup", type=float, default=1.0, help="run the sim timing model this many times faster")
+    fleet.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                       help="extra argument for every `kvgate worker` (repeatable, e.g. --worker-arg=--max-num-seqs=64)")
+    fleet.add_argument("--startup-timeout", type=float, default=30.0, help="seconds a worker may take to be ready")
+    fleet.add_argument("--stop-timeout", type=float, default=10.0, help="seconds a worker gets to exit on SIGTERM")
+
+
+@dataclass
+class Child:
+    name: str
+    process: asyncio.subprocess.Process
+    ready: dict[str, Any] | None = None
+    stopping: bool = False
+
+
+def _worker_command(args: argparse.Namespace, name: str, model: str) -> list[str]:
+    return [
+        sys.executable, "-m", "router.cli", "worker", "--engine", "sim", "--host", "127.0.0.1", "--port", "0",
+        "--worker-id", name, "--model", model, "--block-size", str(args.block_size),
+        "--num-blocks", str(args.num_blocks), "--speedup", str(args.speedup), "--tokenizer", args.tokenizer,
+        "--events-endpoint", _FREE_ZMQ, "--replay-endpoint", _FREE_ZMQ, "--load-endpoint", _FREE_ZMQ,
+        "--log-level", args.log_level, *args.worker_arg,
+    ]
+
+
+def _child_env() -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("KVGATE_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (_REPO_ROOT, env.get("PYTHONPATH"))))
+    return env
+
+
+async def _start_child(args: argparse.Namespace, name: str, model: str) -> Child:
+    process = await asyncio.create_subprocess_exec(
+        *_worker_command(args, name, model), stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, env=_child_env(),
+    )
+    return Child(name, process)
+
+
+async def _read_ready(child: Child, timeout_s: float) -> dict[str, Any]:
+    """The child's ready line; `RuntimeError` if it exits or stays silent too long."""
+    assert child.process.stdout is not None
+    async with asyncio.timeout(timeout_s):
+        while True:
+            line = await child.process.stdout.readline()
+            if not line:
+                code = await child.process.wait()
+                raise RuntimeError(f"worker {child.name} exited with code {code} before it was ready")
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue  # not the ready line: workers log to stderr, but be lenient
+            if isinstance(message, dict) and message.get("event") == "ready":
+                return message
+
+
+async def _all_ready(children: list[Child], timeout_s: float, stop: asyncio.Event) -> bool:
+    """Fills every child's ready line; False if stopped first. Raises the first failure."""
+
+    async def read_all() -> None:
+        async with asyncio.TaskGroup() as group:  # one failure cancels the other reads
+            for child in children:
+                group.create_task(_set_ready(child, timeout_s))
+
+    startup = asyncio.create_task(read_all())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait([startup, stopped], return_when=asyncio.FIRST_COMPLETED)
+    for task in (startup, stopped):
+        task.cancel()
+    await asyncio.wait([startup, stopped])
+    if stop.is_set():
+        return False
+    error = startup.exception()
+    if isinstance(error, BaseExceptionGroup):
+        raise error.exceptions[0]
+    return True
+
+
+async def _set_ready(child: Child, timeout_s: float) -> None:
+    child.ready = await _read_ready(child, timeout_s)
+
+
+def _spec(child: Child) -> WorkerSpec:
+    ready = child.ready or {}
+    body = {key: ready.get(key) for key in ("worker_id", "url", "model", "events_endpoint", "replay_endpoint",
+                                            "load_endpoint", "block_size")}
+    try:
+        return spec_from_dict(body, where=f"worker {child.name}'s ready line")
+    except SpecError as exc:
+        raise RuntimeError(str(exc)) from None
+
+
+async def _drain_stdout(child: Child) -> None:
+    """Keeps reading a child's stdout so it can never block on a full pipe."""
+    assert child.process.stdout is not None
+    while await child.process.stdout.readline():
+        pass
+
+
+async def _watch(child: Child) -> None:
+    code = await child.process.wait()
+    if not child.stopping:
+        message = f"kvgate up: worker {child.name} (pid {child.process.pid}) exited with code {code}"
+        print(message, file=sys.stderr, flush=True)
+
+
+async def _stop_children(children: list[Child], timeout_s: float) -> None:
+    for child in children:
+        child.stopping = True
+        if child.process.returncode is None:
+            child.process.send_signal(signal.SIGTERM)
+    waits = [asyncio.create_task(child.process.wait()) for child in children]
+    if not waits:
+        return
+    _, pending = await asyncio.wait(waits, timeout=timeout_s)
+    for child in children:
+        if child.process.returncode is None:
+            logger.warning("worker %s did not stop in %.0f s: killing it", child.name, timeout_s)
+            child.process.kill()
+    if pending:
+        await asyncio.wait(pending)
+
+
+def _banner(url: str, model: str, children: list[Child]) -> str:
+    workers = [{**(child.ready or {}), "pid": child.process.pid} for child in children]
+    ready = {"event": "ready", "url": url, "workers": workers}
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "stream": True})
+    return "\n".join((
+        json.dumps(ready),
+        f"kvgate is up: {url} routes to {len(children)} sim worker(s) serving {model!r}.",
+        "Try:",
+        f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+        f"Admin: {url}/admin/stats   Metrics: {url}/metrics   Stop: Ctrl-C",
+    ))
+
+
+async def _up(args: argparse.Namespace, model: str) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    children: list[Child] = []
+    tasks: list[asyncio.Task[None]] = []
+    runner: web.AppRunner | None = None
+    try:
+        for position in range(args.workers):
+            children.append(await _start_child(args, f"sim-{position}", model))
+        if not await _all_ready(children, args.startup_timeout, stop):
+            return 0
+        tasks = [asyncio.create_task(coro) for child in children for coro in (_watch(child), _drain_stdout(child))]
+        app = build_or_exit(gateway_config(args, tuple(_spec(child) for child in children)))
+        runner, url = await start_app(app, args.host, args.port)
+        print(_banner(url, model, children), flush=True)
+        await stop.wait()
+        logger.info("stopping")
+        return 0
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        reason = "a worker was not ready in time" if isinstance(exc, TimeoutError) else str(exc)
+        print(f"kvgate up: {reason}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await _stop_children(children, args.stop_timeout)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        raise SystemExit("kvgate up: --workers must be at least 1")
+    if not 0 <= args.port <= 65535:
+        raise SystemExit("kvgate up: --port must be in [0, 65535]")
+    setup_logging(args.log_level)
+    model = args.model or "kvgate-sim"
+    gateway_config(args, ())  # validates every router flag before any child starts
+    return uvloop.run(_up(args, model))

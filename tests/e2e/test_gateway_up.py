@@ -1,0 +1,72 @@
+"""`kvgate up` as a real process: starts a fleet, serves a streamed answer, reports a dead child, stops cleanly."""
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+
+REPO_ROOT = Path(__file__).parents[2]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # Still listed: a zombie waiting for its parent counts as gone too.
+    status = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    return status == "Z"
+
+
+def test_up_serves_reports_a_dead_worker_and_stops_on_sigterm(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    stderr = open(tmp_path / "up.log", "w+")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router.cli", "up", "--workers", "2", "--port", "0", "--speedup", "20",
+         "--log-level", "WARNING", "--health-interval", "0.2"],
+        stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=REPO_ROOT,
+    )
+    try:
+        readable, _, _ = select.select([proc.stdout], [], [], 30)
+        assert readable, "kvgate up printed nothing in 30 s"
+        ready = json.loads(proc.stdout.readline())
+        assert ready["event"] == "ready" and len(ready["workers"]) == 2
+        banner = [proc.stdout.readline() for _ in range(4)]
+        assert banner[0].startswith(f"kvgate is up: {ready['url']}")
+        assert f"curl -N {ready['url']}/v1/chat/completions" in banner[2]
+
+        with openai.OpenAI(base_url=f"{ready['url']}/v1", api_key="unused") as client:
+            stream = client.chat.completions.create(
+                model="kvgate-sim", messages=[{"role": "user", "content": "Hello!"}], max_tokens=5, stream=True,
+            )
+            text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        assert text
+
+        victim = ready["workers"][1]
+        os.kill(victim["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while f"worker {victim['worker_id']} (pid {victim['pid']}) exited with code -9" not in stderr_text(stderr):
+            assert time.monotonic() < deadline, stderr_text(stderr)
+            time.sleep(0.05)
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0, stderr_text(stderr)
+        assert all(_gone(worker["pid"]) for worker in ready["workers"])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        stderr.close()
+
+
+def stderr_text(stderr) -> str:
+    stderr.flush()
+    return Path(stderr.name).read_text()
