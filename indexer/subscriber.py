@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import zmq
 import zmq.asyncio
 
-from indexer.events import BatchDecoder, EventBatch, MalformedBatch, decode_seq, encode_seq
+from indexer.events import END_OF_REPLAY_SEQ, BatchDecoder, EventBatch, MalformedBatch, decode_seq, encode_seq
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class EventSubscriber:
         self._fed: set[WorkerKey] = set()
         self._task: asyncio.Task[None] | None = None
         self._reconnected = False  # the connection dropped since the last live message
+        self._replayed_through: int | None = None  # live seqs up to this came by replay
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -115,6 +116,7 @@ class EventSubscriber:
         try:
             sock.setsockopt(zmq.SUBSCRIBE, self._topic)
             sock.connect(self.endpoint)
+            await self._catch_up_at_connect()
             while True:
                 frames = await sock.recv_multipart()
                 if self._saw_disconnect(monitor):
@@ -171,10 +173,14 @@ class EventSubscriber:
         if parsed is None:
             return
         seq, batch = parsed
+        reconnected, self._reconnected = self._reconnected, False
+        replayed_through, self._replayed_through = self._replayed_through, None
+        if replayed_through is not None and seq <= replayed_through and not reconnected:
+            self._replayed_through = replayed_through  # sent while we read it from replay
+            return
         last = self.stats.last_seq
         expected = 0 if last is None else last + 1
         resync_if_uncovered = True
-        reconnected, self._reconnected = self._reconnected, False
         if seq < expected or (reconnected and seq != expected):
             self.stats.num_restarts += 1
             self._resync(batch, f"publisher restarted (seq {seq} after {last})")
@@ -224,6 +230,27 @@ class EventSubscriber:
 
     # -- gaps ----------------------------------------------------------------------
 
+    async def _catch_up_at_connect(self) -> None:
+        """Indexes what the worker cached before this subscriber connected.
+
+        An idle worker sends nothing live that would reveal a gap, so its replay buffer
+        is read once up front. If the buffer no longer starts at seq 0, what came before
+        is gone: nothing is indexed yet, so there is nothing stale to clear (stores
+        chained to the lost blocks are counted as unknown parents and dropped).
+        """
+        if self.replay_endpoint is None or self.stats.last_seq is not None:
+            return
+        replayed = await self._fetch_replay(0, None)
+        if not replayed:
+            return
+        first_seq, batches = replayed
+        if first_seq > 0:
+            self.stats.num_gaps += 1
+        for offset, batch in enumerate(batches):
+            self._apply(first_seq + offset, batch)
+        self.stats.num_replays += len(batches)
+        self._replayed_through = self.stats.last_seq
+
     async def _catch_up(self, start: int, end: int, live_batch: EventBatch, *, resync: bool) -> None:
         """Applies the batches `start..end-1` from replay, or resyncs if it cannot."""
         self.stats.num_gaps += 1
@@ -232,13 +259,16 @@ class EventSubscriber:
             if resync:
                 self._resync(live_batch, f"replay could not cover seq {start}..{end - 1}")
             return
-        for offset, batch in enumerate(replayed):
+        batches = replayed[1]
+        for offset, batch in enumerate(batches):
             self._apply(start + offset, batch)
-        self.stats.num_replays += len(replayed)
+        self.stats.num_replays += len(batches)
 
-    async def _fetch_replay(self, start: int, end: int) -> list[EventBatch] | None:
-        """The decoded batches `start..end-1` from the replay endpoint, or None if any is
-        missing, undecodable or late."""
+    async def _fetch_replay(self, start: int, end: int | None) -> tuple[int, list[EventBatch]] | None:
+        """`(first_seq, batches)`: consecutive decoded batches from the replay endpoint,
+        from `start` (or the oldest buffered after it) up to `end - 1`, or to the end of
+        the buffer when `end` is None. None if the answer has a hole, an undecodable
+        batch, stops short of `end`, or is late."""
         if self.replay_endpoint is None or self._context is None:
             return None
         # A fresh socket per request, so a late answer to an earlier one is never read.
@@ -255,19 +285,29 @@ class EventSubscriber:
         finally:
             sock.close(linger=0)
 
-    async def _read_replay(self, sock: zmq.asyncio.Socket, start: int, end: int) -> list[EventBatch] | None:
-        replayed: list[EventBatch] = []
-        while start + len(replayed) < end:
+    async def _read_replay(
+        self, sock: zmq.asyncio.Socket, start: int, end: int | None
+    ) -> tuple[int, list[EventBatch]] | None:
+        first_seq = -1
+        batches: list[EventBatch] = []
+        while end is None or first_seq < 0 or first_seq + len(batches) < end:
             frames = await sock.recv_multipart()
             try:
                 if len(frames) != 3 or frames[0] != b"":
                     raise MalformedBatch(f"replay answer of {len(frames)} frames")
                 seq = decode_seq(frames[1])
-                if seq != start + len(replayed):
-                    return None  # the end marker, or a hole: the buffer does not cover it
-                replayed.append(self._decoder.decode(frames[2]))
+                if seq == END_OF_REPLAY_SEQ:
+                    break
+                if first_seq < 0:
+                    if end is not None and seq != start:
+                        return None  # a gap must be covered from its first seq
+                    first_seq = seq
+                elif seq != first_seq + len(batches):
+                    return None  # a hole in the answer
+                batches.append(self._decoder.decode(frames[2]))
             except MalformedBatch as exc:
                 self._count_malformed(f"malformed replay answer: {exc}")
                 return None
-        return replayed
-
+        if not batches or (end is not None and first_seq + len(batches) < end):
+            return None
+        return first_seq, batches

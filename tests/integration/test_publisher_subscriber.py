@@ -168,6 +168,51 @@ async def test_batches_are_applied_in_seq_order_from_the_first(benches):
     assert bench.rec.index.worker_block_hashes(worker) == own_hashes(range(bench.feed.num_sent))
 
 
+@pytest.fixture
+async def late_subscriber():
+    """Subscribes to an already running publisher, as a router does to a busy worker."""
+    made: list[tuple[EventSubscriber, KVEventPublisher]] = []
+
+    def subscribe(pub: KVEventPublisher) -> tuple[EventSubscriber, Recorder]:
+        rec = Recorder()
+        sub = EventSubscriber(rec, "w0", pub.bound_endpoint, pub.bound_replay_endpoint)
+        sub.start()
+        made.append((sub, pub))
+        return sub, rec
+
+    yield subscribe
+    for sub, pub in made:
+        await sub.stop()
+        pub.close()
+
+
+async def test_an_idle_workers_history_is_replayed_at_connect(late_subscriber):
+    pub = KVEventPublisher(LOCAL, LOCAL).start()
+    feed = Feed(pub)
+    feed.send(20)
+    await wait_until(lambda: pub.num_published == 20)
+    # The worker then goes quiet: no live message will reveal the gap.
+    sub, rec = late_subscriber(pub)
+    await wait_until(lambda: sub.stats.last_seq == 19)
+    assert rec.calls == applies(range(20))
+    assert rec.index.worker_block_hashes(WORKER) == own_hashes(range(20))
+    assert (sub.stats.num_replays, sub.stats.num_gaps, sub.stats.num_messages) == (20, 0, 0)
+    # Live messages that were also replayed are not applied twice; new ones are.
+    await join(sub, feed)
+    assert rec.calls == applies(range(feed.num_sent))
+
+
+async def test_history_partly_out_of_the_buffer_at_connect_is_applied_from_its_start(late_subscriber):
+    pub = KVEventPublisher(LOCAL, LOCAL, buffer_size=5).start()
+    feed = Feed(pub)
+    feed.send(12)
+    await wait_until(lambda: pub.num_published == 12)
+    sub, rec = late_subscriber(pub)
+    await wait_until(lambda: sub.stats.last_seq == 11)
+    assert rec.calls == applies(range(7, 12))
+    assert (sub.stats.num_gaps, sub.stats.num_resyncs) == (1, 0)
+
+
 async def test_a_fixed_dp_rank_overrides_the_batch_rank(benches):
     bench = benches(KVEventPublisher(LOCAL, LOCAL, data_parallel_rank=2), dp_rank=5)
     await bench.joined()
