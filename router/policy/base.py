@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
+from indexer.load import LoadReport
+
 if TYPE_CHECKING:
     from router.policy.config import PolicyConfig
 
@@ -78,6 +80,13 @@ class Candidate:
     @property
     def key(self) -> WorkerKey:
         return (self.worker_id, self.dp_rank)
+
+    def apply_report(self, report: LoadReport) -> None:
+        """Takes the worker's own figures from its latest fresh load report."""
+        self.num_running = report.num_running
+        self.num_waiting = report.num_waiting
+        self.kv_usage = report.kv_usage
+        self.num_kv_blocks_total = report.num_kv_blocks_total
 
     @property
     def num_requests(self) -> int:
