@@ -35,12 +35,15 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import xxhash
 import zmq
 import zmq.asyncio
 
 from indexer.events import END_OF_REPLAY_SEQ, BatchDecoder, EventBatch, MalformedBatch, decode_seq, encode_seq
 
 logger = logging.getLogger(__name__)
+_digest = xxhash.xxh3_64_intdigest
+_Replayed = tuple[int, list[EventBatch], list[int]]
 
 WorkerKey = tuple[str, int]
 
@@ -98,7 +101,9 @@ class EventSubscriber:
         self._fed: set[WorkerKey] = set()
         self._task: asyncio.Task[None] | None = None
         self._reconnected = False  # the connection dropped since the last live message
-        self._replayed_through: int | None = None  # live seqs up to this came by replay
+        # seq -> payload digest of batches applied from replay at connect, until the first
+        # live message that is not one of them (they may also arrive live, once).
+        self._replayed_digests: dict[int, int] | None = None
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -174,10 +179,10 @@ class EventSubscriber:
             return
         seq, batch = parsed
         reconnected, self._reconnected = self._reconnected, False
-        replayed_through, self._replayed_through = self._replayed_through, None
-        if replayed_through is not None and seq <= replayed_through and not reconnected:
-            self._replayed_through = replayed_through  # sent while we read it from replay
-            return
+        if self._replayed_digests is not None:
+            if not reconnected and self._replayed_digests.get(seq) == _digest(frames[2]):
+                return  # published while we read it from replay: applied already
+            self._replayed_digests = None
         last = self.stats.last_seq
         expected = 0 if last is None else last + 1
         resync_if_uncovered = True
@@ -243,13 +248,13 @@ class EventSubscriber:
         replayed = await self._fetch_replay(0, None)
         if not replayed:
             return
-        first_seq, batches = replayed
+        first_seq, batches, digests = replayed
         if first_seq > 0:
             self.stats.num_gaps += 1
         for offset, batch in enumerate(batches):
             self._apply(first_seq + offset, batch)
         self.stats.num_replays += len(batches)
-        self._replayed_through = self.stats.last_seq
+        self._replayed_digests = dict(zip(range(first_seq, first_seq + len(batches)), digests))
 
     async def _catch_up(self, start: int, end: int, live_batch: EventBatch, *, resync: bool) -> None:
         """Applies the batches `start..end-1` from replay, or resyncs if it cannot."""
@@ -264,8 +269,8 @@ class EventSubscriber:
             self._apply(start + offset, batch)
         self.stats.num_replays += len(batches)
 
-    async def _fetch_replay(self, start: int, end: int | None) -> tuple[int, list[EventBatch]] | None:
-        """`(first_seq, batches)`: consecutive decoded batches from the replay endpoint,
+    async def _fetch_replay(self, start: int, end: int | None) -> _Replayed | None:
+        """`(first_seq, batches, payload digests)`: consecutive decoded batches from the replay endpoint,
         from `start` (or the oldest buffered after it) up to `end - 1`, or to the end of
         the buffer when `end` is None. None if the answer has a hole, an undecodable
         batch, stops short of `end`, or is late."""
@@ -287,9 +292,10 @@ class EventSubscriber:
 
     async def _read_replay(
         self, sock: zmq.asyncio.Socket, start: int, end: int | None
-    ) -> tuple[int, list[EventBatch]] | None:
+    ) -> _Replayed | None:
         first_seq = -1
         batches: list[EventBatch] = []
+        digests: list[int] = []
         while end is None or first_seq < 0 or first_seq + len(batches) < end:
             frames = await sock.recv_multipart()
             try:
@@ -305,9 +311,10 @@ class EventSubscriber:
                 elif seq != first_seq + len(batches):
                     return None  # a hole in the answer
                 batches.append(self._decoder.decode(frames[2]))
+                digests.append(_digest(frames[2]))
             except MalformedBatch as exc:
                 self._count_malformed(f"malformed replay answer: {exc}")
                 return None
         if not batches or (end is not None and first_seq + len(batches) < end):
             return None
-        return first_seq, batches
+        return first_seq, batches, digests

@@ -15,7 +15,7 @@ import time
 import pytest
 import zmq
 
-from indexer.events import BatchDecoder, BlockStored, decode_seq, encode_seq
+from indexer.events import BatchDecoder, BlockStored, decode_seq, encode_batch, encode_seq, make_batch
 from indexer.hashing import hash_prompt
 from indexer.index import PrefixIndex
 from indexer.subscriber import EventSubscriber
@@ -200,6 +200,27 @@ async def test_an_idle_workers_history_is_replayed_at_connect(late_subscriber):
     # Live messages that were also replayed are not applied twice; new ones are.
     await join(sub, feed)
     assert rec.calls == applies(range(feed.num_sent))
+
+
+async def test_after_connect_only_the_replayed_batches_themselves_are_skipped(late_subscriber):
+    pub = KVEventPublisher(LOCAL, LOCAL).start()
+    Feed(pub).send(3)
+    await wait_until(lambda: pub.num_published == 3)
+    sub, rec = late_subscriber(pub)
+    await wait_until(lambda: sub.stats.last_seq == 2)
+    # The same batch seen live (sent while the buffer was read): applied once only.
+    with zmq.Context() as context, context.socket(zmq.DEALER) as dealer:
+        dealer.connect(pub.bound_replay_endpoint)
+        dealer.send_multipart([b"", encode_seq(1)])
+        _, seq_frame, payload = recv(dealer)
+    await sub.handle([b"kv", seq_frame, payload])
+    assert rec.calls == applies(range(3)) and sub.stats.num_restarts == 0
+    # A restarted publisher behind a relay (no reconnect): its seq 0 is new history.
+    restarted = encode_batch(make_batch([stored(100)]))
+    await sub.handle([b"kv", encode_seq(0), restarted])
+    assert rec.calls == applies(range(3)) + [("clear", WORKER)] + applies([100])
+    assert sub.stats.num_restarts == 1
+    assert rec.index.worker_block_hashes(WORKER) == own_hashes([100])
 
 
 async def test_history_partly_out_of_the_buffer_at_connect_is_applied_from_its_start(late_subscriber):
