@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: run test bench install install-test clean
+.PHONY: run test bench install install-worker install-test clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -15,14 +15,24 @@ $(VENV)/.installed-core: pyproject.toml | $(VENV)/bin/python
 	$(PIP) install --quiet -e .
 	touch $@
 
+# torch first, pinned: any other version would pull a multi-GB CUDA build.
+TORCH := torch==2.13.0
+
+$(VENV)/.installed-worker: pyproject.toml | $(VENV)/bin/python
+	$(PIP) install --quiet $(TORCH)
+	$(PIP) install --quiet -e '.[worker]'
+	touch $@
+
 $(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/python
-	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet $(TORCH)
+	$(PIP) install --quiet -e '.[test,worker]'
 	touch $@
 
 install: $(VENV)/.installed-core
+install-worker: $(VENV)/.installed-worker
 install-test: $(VENV)/.installed-test
 
-run: $(VENV)/.installed-core
+run: $(VENV)/.installed-worker
 	$(VENV)/bin/kvgate up
 
 # Finds a Redis server that answers (KVGATE_REDIS_URL, then 127.0.0.1:6379) or starts

@@ -3,11 +3,12 @@
 Owns `Scheduler` (which requests compute how many tokens in each step, over a
 `worker.block_pool.BlockPool`), `RequestState` (a request's tokens and progress),
 `Step` (one step's plan and cost drivers) and `StepResult` (a sampled token).
-Engine-agnostic: the engine supplies the batch limits (`BatchLimits`) and each
-request's next token (`TokenSource`), runs the step's compute between `schedule` and
-`finish_step`, and publishes the pool's KV events. The simulated engine
-(`worker/sim.py`) drives one; the torch engine is meant to reuse it. Pure and
-synchronous: no I/O, no clock.
+Engine-agnostic: the engine supplies the batch limits (`BatchLimits`), runs the
+step's compute between `schedule` and `finish_step`, and publishes the pool's KV
+events. Each request's next token comes either from the engine (`finish_step(step,
+sampled_token_ids)`: the torch engine's sampled tokens, one per entry of
+`Step.sampling_indices()`) or from the request's own `TokenSource` (the simulated
+engine, `worker/sim.py`). Pure and synchronous: no I/O, no clock.
 
 Each step schedules running requests first (admission order: the rest of a prompt or
 one decode token each, within `max_num_batched_tokens`: chunked prefill), then admits
@@ -26,6 +27,7 @@ engine checks), so the oldest request always progresses.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -56,11 +58,12 @@ class RequestState:
     token_ids: list[int]
     num_prompt_tokens: int
     max_tokens: int
-    token_source: TokenSource
+    token_source: TokenSource | None  # None: the engine passes sampled tokens to finish_step
     eos_token_id: int | None  # None: never stop on EOS (ignore_eos, or no EOS token)
     num_output_tokens: int = 0
     num_cached_tokens: int | None = None  # the prefix hit at first admission
     in_prefill: bool = True  # since the last admission, no token sampled yet
+    stop_token_ids: frozenset[int] = frozenset()  # more tokens that end the request ("stop")
 
 
 @dataclass(slots=True)
@@ -68,8 +71,18 @@ class Step:
     """What one step computes: (request, number of tokens) pairs, and the step's cost drivers."""
 
     scheduled: list[tuple[RequestState, int]] = field(default_factory=list)
+    # Per entry of `scheduled`: tokens whose KV was computed before this step (its start).
+    num_computed_tokens: list[int] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_seqs: int = 0
+
+    def sampling_indices(self) -> list[int]:
+        """Entries of `scheduled` that compute their request's last token, so sample one."""
+        return [
+            index
+            for index, ((request, num_tokens), start) in enumerate(zip(self.scheduled, self.num_computed_tokens))
+            if start + num_tokens == len(request.token_ids)
+        ]
 
 
 class StepResult(NamedTuple):
@@ -135,15 +148,20 @@ class Scheduler:
         self.num_steps += 1
         return step
 
-    def finish_step(self, step: Step) -> list[StepResult]:
-        """Commits the step's KV and samples a token for every request whose tokens are all computed."""
+    def finish_step(self, step: Step, sampled_token_ids: Sequence[int] | None = None) -> list[StepResult]:
+        """Commits the step's KV and appends a token to every request whose tokens are all computed.
+
+        `sampled_token_ids`: the engine's tokens, one per `step.sampling_indices()` entry,
+        in order; None takes each request's next token from its `token_source`.
+        """
         results = []
+        sampled = iter(sampled_token_ids) if sampled_token_ids is not None else None
         for request, num_tokens in step.scheduled:
             num_computed = self.pool.num_computed_tokens(request.request_id) + num_tokens
             self.pool.commit(request.request_id, num_computed)
             if num_computed < len(request.token_ids):
                 continue  # a prefill chunk: no logits yet
-            token_id = request.token_source.next_token()
+            token_id = self._next_token(request, sampled)
             request.token_ids.append(token_id)
             request.num_output_tokens += 1
             request.in_prefill = False
@@ -157,10 +175,20 @@ class Scheduler:
             self.running = [r for r in self.running if id(r) not in done]
         return results
 
+    @staticmethod
+    def _next_token(request: RequestState, sampled: Iterator[int] | None) -> int:
+        if sampled is not None:
+            token_id = next(sampled, None)
+            assert token_id is not None, "fewer sampled tokens than requests to sample"
+            return int(token_id)
+        assert request.token_source is not None, f"request {request.request_id} has no token source"
+        return request.token_source.next_token()
+
     def _add_to_step(self, step: Step, request: RequestState, budget: int) -> int:
-        num_new = len(request.token_ids) - self.pool.num_computed_tokens(request.request_id)
-        num_tokens = min(num_new, budget)
+        num_computed = self.pool.num_computed_tokens(request.request_id)
+        num_tokens = min(len(request.token_ids) - num_computed, budget)
         step.scheduled.append((request, num_tokens))
+        step.num_computed_tokens.append(num_computed)
         if request.in_prefill:
             step.num_prefill_tokens += num_tokens
         else:
@@ -204,7 +232,7 @@ class Scheduler:
 
     @staticmethod
     def _finish_reason(request: RequestState, token_id: int) -> str | None:
-        if request.eos_token_id is not None and token_id == request.eos_token_id:
+        if token_id == request.eos_token_id or token_id in request.stop_token_ids:
             return "stop"
         if request.num_output_tokens >= request.max_tokens:
             return "length"

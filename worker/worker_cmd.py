@@ -1,8 +1,9 @@
 """`kvgate worker`: one worker process: an engine, its OpenAI HTTP server and its publishers.
 
-Builds the engine named by `--engine` (`sim` now; `torch` comes with the reference
-model), serves it with `worker.server`, and once the HTTP port and the ZMQ endpoints
-are bound prints ONE JSON line on stdout:
+Builds the engine named by `--engine` (`sim`, the simulated engine, or `torch`, the
+reference engine and model, whose flags live in `worker/torch_cmd.py`), serves it with
+`worker.server`, and once the HTTP port and the ZMQ endpoints are bound prints ONE
+JSON line on stdout:
 
     {"event": "ready", "url", "events_endpoint", "replay_endpoint", "load_endpoint",
      "worker_id", "model", "block_size"}
@@ -32,21 +33,25 @@ import os
 import signal
 import socket
 import sys
-from typing import Any
-from urllib.parse import quote
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import uvloop
 import zmq
 
 from indexer.tokenizer import TokenizerError, load_tokenizer
+from worker import torch_cmd
 from worker.api import ServedModel
+from worker.registration import Registrar
 from worker.server import ServerConfig, create_app, start_server
 from worker.sim import SimConfig, SimEngine
 
+if TYPE_CHECKING:
+    from worker.torch_engine import TorchEngine
+
 logger = logging.getLogger("kvgate.worker")
 
-ENGINES = ("sim",)
+ENGINES = ("sim", "torch")
+DEFAULT_MODEL_NAMES = {"sim": "kvgate-sim", "torch": torch_cmd.DEFAULT_MODEL_NAME}
 ROLES = ("both", "decode", "prefill")
 # SimConfig field -> the flag that sets it, where the two names differ.
 _FLAG_OF_FIELD = {"load_interval_s": "--load-interval"}
@@ -57,7 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--engine", choices=ENGINES, default="sim", help="the engine to run (default: sim)")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=int, default=8001, help="HTTP port (0: any free port)")
-    server.add_argument("--model", default="kvgate-sim", help="the model name served (also the KV hash namespace)")
+    server.add_argument(
+        "--model", help="the model name served, also the KV hash namespace (default: kvgate-sim or kvgate-moe-tiny)"
+    )
     server.add_argument("--worker-id", help="this worker's id (default: <engine>-<hostname>-<pid>)")
     server.add_argument("--role", choices=ROLES, default="both", help="the role announced to the router")
     server.add_argument("--tokenizer", default="byte", help="'byte' or a tokenizer.json path, as the router uses")
@@ -83,6 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     timing.add_argument("--prefill-ms-per-token", type=float, default=0.05, help="cost per uncached prompt token")
     timing.add_argument("--decode-ms-per-step", type=float, default=12.0, help="cost of a step that decodes")
     timing.add_argument("--decode-ms-per-seq", type=float, default=0.1, help="extra cost per decoding sequence")
+    torch_cmd.add_arguments(parser)
     router = parser.add_argument_group("router registration")
     router.add_argument("--router", help="router base URL to register with (e.g. http://127.0.0.1:8000)")
     router.add_argument("--router-token", help="the router's admin bearer token (env: KVGATE_ROUTER_TOKEN)")
@@ -118,7 +126,7 @@ def _check_args(args: argparse.Namespace) -> None:
         problems.append("--port must be in [0, 65535]")
     if args.max_body_bytes <= 0 or args.shutdown_timeout < 0 or args.heartbeat_interval <= 0:
         problems.append("--max-body-bytes and --heartbeat-interval must be positive, --shutdown-timeout >= 0")
-    if not args.model:
+    if args.model is not None and not args.model:
         problems.append("--model must not be empty")
     if not isinstance(logging.getLevelName(args.log_level.upper()), int):
         problems.append(f"--log-level must be a logging level name, got {args.log_level!r}")
@@ -136,22 +144,29 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(args.tokenizer)
     except TokenizerError as exc:
         raise SystemExit(f"kvgate worker: --tokenizer: {exc}") from None
-    served = ServedModel(args.model, tokenizer, config.context_len)
-    return uvloop.run(_serve(args, config, served))
+    model_name = args.model or DEFAULT_MODEL_NAMES[args.engine]
+    worker_id = args.worker_id or f"{args.engine}-{socket.gethostname()}-{os.getpid()}"
+    engine: SimEngine | TorchEngine
+    if args.engine == "torch":
+        engine = torch_cmd.build_torch_engine(args, model_name, tokenizer, worker_id)
+    else:
+        engine = SimEngine(
+            config, ServedModel(model_name, tokenizer, config.context_len), worker_id=worker_id,
+            events_endpoint=args.events_endpoint or None,
+            replay_endpoint=args.replay_endpoint or None,
+            load_endpoint=args.load_endpoint or None,
+        )
+    return uvloop.run(_serve(args, engine, worker_id, config.block_size))
 
 
-async def _serve(args: argparse.Namespace, config: SimConfig, served: ServedModel) -> int:
+async def _serve(
+    args: argparse.Namespace, engine: SimEngine | TorchEngine, worker_id: str, block_size: int
+) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    worker_id = args.worker_id or f"{args.engine}-{socket.gethostname()}-{os.getpid()}"
-    engine = SimEngine(
-        config, served, worker_id=worker_id,
-        events_endpoint=args.events_endpoint or None,
-        replay_endpoint=args.replay_endpoint or None,
-        load_endpoint=args.load_endpoint or None,
-    )
+    served = engine.served
     app = create_app(engine, ServerConfig(max_body_bytes=args.max_body_bytes))
     try:
         runner, url = await start_server(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout)
@@ -166,7 +181,7 @@ async def _serve(args: argparse.Namespace, config: SimConfig, served: ServedMode
         "load_endpoint": engine.load_publisher.bound_endpoint if engine.load_publisher else None,
         "worker_id": worker_id,
         "model": served.name,
-        "block_size": config.block_size,
+        "block_size": block_size,
     }
     print(json.dumps(ready), flush=True)
     logger.info("worker %s serving %s at %s", worker_id, served.name, url)
@@ -197,55 +212,3 @@ def _registration(args: argparse.Namespace, ready: dict[str, Any]) -> dict[str, 
         "block_size": ready["block_size"],
     }
 
-
-class Registrar:
-    """Keeps this worker registered with a router: POST now and every interval, DELETE at close."""
-
-    def __init__(self, router_url: str, body: dict[str, Any], token: str | None, interval_s: float) -> None:
-        self._base = router_url.rstrip("/")
-        self._body = body
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._interval_s = interval_s
-        self._session: aiohttp.ClientSession | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._ok: bool | None = None  # the last attempt's outcome, to log changes only
-
-    def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=min(5.0, self._interval_s * 2)))
-        self._task = asyncio.create_task(self._run(), name="router-registration")
-
-    async def _run(self) -> None:
-        assert self._session is not None
-        while True:
-            await self._register(self._session)
-            await asyncio.sleep(self._interval_s)
-
-    async def _register(self, session: aiohttp.ClientSession) -> None:
-        url = f"{self._base}/admin/workers"
-        try:
-            async with session.post(url, json=self._body, headers=self._headers) as response:
-                ok, detail = response.status in (200, 201), f"HTTP {response.status}: {(await response.text())[:200]}"
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            ok, detail = False, f"{type(exc).__name__}: {exc}"
-        if ok != self._ok:
-            if ok:
-                logger.info("registered with the router at %s", self._base)
-            else:
-                logger.warning("cannot register with the router at %s (%s); retrying", self._base, detail)
-        self._ok = ok
-
-    async def close(self) -> None:
-        """Stops the heartbeat and deregisters (best effort, bounded by the session timeout)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait([self._task])
-        if self._session is None:
-            return
-        url = f"{self._base}/admin/workers/{quote(self._body['worker_id'], safe='')}"
-        try:
-            async with self._session.delete(url, headers=self._headers) as response:
-                if response.status not in (200, 204, 404):
-                    logger.warning("deregistering from %s: HTTP %d", self._base, response.status)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            logger.warning("cannot deregister from %s: %s", self._base, exc)
-        await self._session.close()
