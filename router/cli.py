@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("worker.worker_cmd", "run a worker: the simulated engine (sim)"),
     "router": ("router.router_cmd", "run the gateway: OpenAI API, KV-aware routing, admin API, metrics"),
     "up": ("router.up_cmd", "run a router and N local sim workers in one command"),
+    "sidecar": ("worker.sidecar_cmd", "run beside a vLLM or SGLang engine: register it, relay its KV events, report its load"),
 }
 
 ENV_PREFIX = "KVGATE_"
