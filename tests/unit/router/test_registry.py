@@ -95,7 +95,8 @@ async def test_lifecycle_feeds_index_and_drops_entries_on_death_and_removal(serv
         await wait_until(one_more_block, what="re-indexed")
         assert index.find_matches(hash_prompt(tokens, BLOCK_SIZE, "m")) == {("w0", 0): 4}
         stats = worker.event_stats()
-        assert stats["num_gaps"] >= 2 and stats["num_replays"] >= 2 and stats["num_malformed"] == 0
+        # Both subscribers read the replay buffer from seq 0 when they connect, so nothing was lost.
+        assert stats["num_replays"] >= 2 and stats["num_resyncs"] == 0 and stats["num_malformed"] == 0
 
         # A changed spec replaces the worker; the old one's entries go first.
         moved = WorkerSpec(worker_id="w0", url=url, model="m2", block_size=BLOCK_SIZE)
