@@ -3,14 +3,16 @@
 Owns `build_app(config)`: validates the whole `GatewayConfig` up front (tokenizer,
 policy, limits), and opens every resource in one `cleanup_ctx` (the `Gateway` state of
 `router.gateway`: registry with its health probes and ZMQ feeds, the upstream
-connection pool, static workers) so that closing the app closes everything. Routes: `POST /v1/completions`,
-`POST /v1/chat/completions`, `GET /v1/models`, `GET /health`, `GET /ready`,
-`GET /metrics`, and the admin API under `/admin` (`router.admin`).
+connection pool, static workers) so that closing the app closes everything. Routes:
+`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
+`GET /ready`, `GET /metrics`, and the admin API under `/admin` (`router.admin`).
 
-The request path (`_serve`): API key, admission limit (429), read (413 over
+The request path (`serve`): API key, admission limit (429), read (413 over
 `max_body_bytes`), parse and tokenize once (`router.requests`), route
 (`router.routing`), forward (`router.proxy`). No logging on it, and its metrics are
-plain counters (`router.metrics`). `kvgate router` (`router.router_cmd`) and `kvgate up` run this app.
+plain counters (`router.metrics`). The app's routes call it; `router.runner`, which
+`kvgate router` and `kvgate up` serve the app with, calls it directly for the two
+POST routes (skipping aiohttp's routing and middleware chain, with the same results).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from router.policy.config import load_config
 from router.proxy import CLIENT_GONE
 from router.requests import CHAT, COMPLETIONS, parse_request
 
+# The OpenAI routes `serve` answers, by request kind.
+OPENAI_ROUTES = {COMPLETIONS: "/v1/completions", CHAT: "/v1/chat/completions"}
+
 
 def build_app(config: GatewayConfig) -> web.Application:
     """The router app; invalid config raises here (ValueError subclasses naming the field)."""
@@ -39,8 +44,8 @@ def build_app(config: GatewayConfig) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=config.limits.max_body_bytes)
     app[CONFIG] = config
     app.cleanup_ctx.append(_gateway_ctx(tokenizer, policy))
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post(OPENAI_ROUTES[COMPLETIONS], completions)
+    app.router.add_post(OPENAI_ROUTES[CHAT], chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
@@ -67,15 +72,15 @@ def _gateway_ctx(tokenizer: Tokenizer, policy: Policy):  # noqa: ANN202 - aiohtt
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, COMPLETIONS, "/v1/completions")
+    return await serve(request, request.app[GATEWAY], COMPLETIONS)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, CHAT, "/v1/chat/completions")
+    return await serve(request, request.app[GATEWAY], CHAT)
 
 
-async def _serve(request: web.Request, kind: str, route: str) -> web.StreamResponse:
-    gateway = request.app[GATEWAY]
+async def serve(request: web.Request, gateway: Gateway, kind: str) -> web.StreamResponse:
+    """One completions or chat request, from its body to the worker's last byte."""
     started = time.perf_counter()
     status = 500
     try:
@@ -84,9 +89,9 @@ async def _serve(request: web.Request, kind: str, route: str) -> web.StreamRespo
             raise RateLimited(f"the router is serving its limit of {gateway.max_concurrent_requests} requests")
         gateway.num_in_flight += 1
         try:
-            raw = await request.read()
+            raw = await _read_body(request, gateway.limits.max_body_bytes)
             parsed = parse_request(
-                raw, kind, gateway.tokenizer, gateway.limits, forward_token_ids=gateway.config.forward_token_ids
+                raw, kind, gateway.tokenizer, gateway.limits, forward_token_ids=gateway.forward_token_ids
             )
             decision = gateway.core.route(parsed, gateway.next_request_id())
             response = await gateway.forwarder.forward(request, parsed, decision, gateway.core, started)
@@ -101,7 +106,18 @@ async def _serve(request: web.Request, kind: str, route: str) -> web.StreamRespo
         status = CLIENT_GONE
         raise
     finally:
-        gateway.metrics.observe_request(route, status, time.perf_counter() - started)
+        gateway.metrics.route(OPENAI_ROUTES[kind]).observe(status, time.perf_counter() - started)
+
+
+async def _read_body(request: web.Request, max_bytes: int) -> bytes:
+    """The whole body, as `request.read()` returns it, with no await when it all came with the head."""
+    content = request.content
+    if not content.is_eof():
+        return await request.read()
+    raw = content.read_nowait()
+    if len(raw) >= max_bytes:  # the limit exactly as `request.read()` applies it
+        raise web.HTTPRequestEntityTooLarge(max_size=max_bytes, actual_size=len(raw))
+    return raw
 
 
 async def models(request: web.Request) -> web.Response:

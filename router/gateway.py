@@ -84,6 +84,7 @@ class Gateway:
         self.config = config
         self.tokenizer = tokenizer
         self.limits = config.limits
+        self.forward_token_ids = config.forward_token_ids
         self.max_concurrent_requests = config.max_concurrent_requests
         self.tracker = LoadTracker(max_report_age_s=config.load_max_age_s)
         self.aggregator = TrackedAggregator(self.tracker, config.load_max_age_s)

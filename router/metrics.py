@@ -11,6 +11,7 @@ NOTE: the event metrics are plain ints and lists, not prometheus_client children
 update is a dict lookup and an increment, with none of the locks prometheus_client
 takes for threads, because only the event loop's thread ever updates them (this runs
 several times per request). A collector turns them into metric families at scrape time.
+A route's counts and durations live in one `RouteMetrics`, found with one lookup.
 
 Invariants: one `CollectorRegistry` per app (tests run many apps in one process);
 counters only go up (retired event subscribers' counts are kept by the registry).
@@ -65,13 +66,27 @@ class _Histogram:
         return buckets
 
 
+class RouteMetrics:
+    """One route's answers by status and its request durations; handlers hold it bound."""
+
+    __slots__ = ("by_status", "durations")
+
+    def __init__(self) -> None:
+        self.by_status: dict[int, int] = {}
+        self.durations = _Histogram(_SLOW_BUCKETS)
+
+    def observe(self, status: int, duration_s: float) -> None:
+        by_status = self.by_status
+        by_status[status] = by_status.get(status, 0) + 1
+        self.durations.observe(duration_s)
+
+
 class GatewayMetrics:
     """See the module docstring."""
 
     def __init__(self, registry: WorkerRegistry, num_in_flight: Callable[[], int]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests: dict[tuple[str, int], int] = {}  # (route, status) -> count
-        self.durations: dict[str, _Histogram] = {}  # route -> request duration
+        self.routes: dict[str, RouteMetrics] = {}  # route -> its counts and durations
         self.overhead = _Histogram(_FAST_BUCKETS)
         self.ttft = _Histogram(_SLOW_BUCKETS)
         self.decisions: dict[tuple[str, str], int] = {}  # (policy, worker) -> count
@@ -82,14 +97,15 @@ class GatewayMetrics:
         self.registry.register(_EventCollector(self))
         self.registry.register(_StateCollector(registry, num_in_flight, self))
 
+    def route(self, route: str) -> RouteMetrics:
+        """The metrics of `route`, created on first use (handlers look it up once per request)."""
+        metrics = self.routes.get(route)
+        if metrics is None:
+            metrics = self.routes[route] = RouteMetrics()
+        return metrics
+
     def observe_request(self, route: str, status: int, duration_s: float) -> None:
-        key = (route, status)
-        requests = self.requests
-        requests[key] = requests.get(key, 0) + 1
-        histogram = self.durations.get(route)
-        if histogram is None:
-            histogram = self.durations[route] = _Histogram(_SLOW_BUCKETS)
-        histogram.observe(duration_s)
+        self.route(route).observe(status, duration_s)
 
     def observe_overhead(self, seconds: float) -> None:
         self.overhead.observe(seconds)
@@ -127,7 +143,7 @@ class _EventCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
         m = self._metrics
         yield _counter("kvgate_requests", "requests answered, by route and status", ["route", "status"],
-                       {(route, str(status)): n for (route, status), n in m.requests.items()})
+                       {(route, str(status)): n for route, r in m.routes.items() for status, n in r.by_status.items()})
         yield _counter("kvgate_routing_decisions", "requests routed, by policy and worker", ["policy", "worker"],
                        m.decisions)
         yield _counter("kvgate_retries", "attempts retried on another worker, by reason", ["reason"],
@@ -143,7 +159,7 @@ class _EventCollector(Collector):
         yield _histogram("kvgate_ttft_seconds", "time from a streamed request's arrival to its first byte to the client",
                          [], {(): m.ttft})
         yield _histogram("kvgate_request_duration_seconds", "time from a request's arrival to its last byte", ["route"],
-                         {(route, ): h for route, h in m.durations.items()})
+                         {(route, ): r.durations for route, r in m.routes.items()})
 
 
 def _counter(name: str, text: str, labels: list[str], values: dict) -> CounterMetricFamily:

@@ -21,9 +21,15 @@ Retry rules (NOTE: the client must never see two answers or half of one twice):
 
 Streaming relays each chunk as it arrives (no re-framing of the SSE bytes, no
 buffering); both sockets have TCP_NODELAY (the upstream pool sets it; aiohttp sets it
-on every connection it accepts). A client that goes away cancels the handler (the app
-runs with handler cancellation), which closes the upstream connection, so the worker
-aborts the request and frees its blocks.
+on every connection it accepts). What is already there goes out together, nothing is
+held back for what is not: the answer's head with its first chunk, a last chunk with
+the end of the answer. A client that goes away cancels the handler (the app runs with
+handler cancellation), which closes the upstream connection, so the worker aborts the
+request and frees its blocks.
+
+A whole answer is sent from here (`router.answer`, one write) before the attempt's
+bookkeeping (breaker, load tracker, metrics), so the client does not wait for it; the
+request timeout stops applying once the worker has answered.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from router.answer import header_line, whole_answer
 from router.errors import GatewayTimeout, NoEligibleWorker
 from router.metrics import GatewayMetrics
 from router.requests import CHAT, COMPLETIONS, ParsedRequest
@@ -74,7 +81,7 @@ class _Failure:
 
     __slots__ = ("kind", "detail", "answer")
 
-    def __init__(self, kind: str, detail: str, answer: web.Response | None = None) -> None:
+    def __init__(self, kind: str, detail: str, answer: web.StreamResponse | None = None) -> None:
         self.kind = kind
         self.detail = detail
         self.answer = answer
@@ -124,15 +131,16 @@ class Forwarder:
         self, request: web.Request, parsed: ParsedRequest, decision: Decision, core: RoutingCore, started: float
     ) -> web.StreamResponse:
         if self.config.request_timeout_s <= 0:
-            return await self._forward(request, parsed, decision, core, started)
+            return await self._forward(request, parsed, decision, core, started, None)
         try:
-            async with asyncio.timeout(self.config.request_timeout_s):
-                return await self._forward(request, parsed, decision, core, started)
+            async with asyncio.timeout(self.config.request_timeout_s) as timeout:
+                return await self._forward(request, parsed, decision, core, started, timeout)
         except TimeoutError:
             raise GatewayTimeout(f"no answer within {self.config.request_timeout_s:g} s") from None
 
     async def _forward(
-        self, request: web.Request, parsed: ParsedRequest, decision: Decision, core: RoutingCore, started: float
+        self, request: web.Request, parsed: ParsedRequest, decision: Decision, core: RoutingCore, started: float,
+        timeout: asyncio.Timeout | None,
     ) -> web.StreamResponse:
         failure: _Failure | None = None
         num_attempts = 0
@@ -149,7 +157,7 @@ class Forwarder:
             if num_attempts == 1:
                 self.metrics.observe_overhead(time.perf_counter() - started)
             try:
-                outcome = await self._attempt(request, parsed, decision, candidate, core, started)
+                outcome = await self._attempt(request, parsed, decision, candidate, core, started, timeout)
             finally:
                 core.finish(decision, candidate)
             if not isinstance(outcome, _Failure):
@@ -166,34 +174,59 @@ class Forwarder:
 
     async def _attempt(
         self, request: web.Request, parsed: ParsedRequest, decision: Decision,
-        candidate: Candidate, core: RoutingCore, started: float,
+        candidate: Candidate, core: RoutingCore, started: float, timeout: asyncio.Timeout | None,
     ) -> web.StreamResponse | _Failure:
         target = self._target(candidate.url)
-        data = target.serialize(parsed.kind, decision.request.request_id, parsed.body)
+        request_id = decision.request.request_id
+        data = target.serialize(parsed.kind, request_id, parsed.body)
         upstream: UpstreamResponse | None = None
         try:
             upstream = await self.pool.request(target.host, target.port, target.tls, data)
             status = upstream.status
             if status in _RETRY_STATUSES:
-                answer = await self._buffered(upstream, candidate, decision)
+                answer = await self._whole(request, upstream, candidate, request_id)
                 core.record_outcome(decision, ok=status < 500)
                 return _Failure(f"status_{status}", f"{candidate.worker_id} answered {status}", answer)
             if parsed.stream and status == 200:
                 return await self._relay_stream(request, upstream, decision, candidate, core, started)
-            answer = await self._buffered(upstream, candidate, decision)
+            answer = await self._whole(request, upstream, candidate, request_id)
         except UpstreamError as exc:
             core.record_outcome(decision, ok=False)
             return _Failure(exc.kind, f"{candidate.worker_id}: {exc}")
         finally:
             if upstream is not None:
                 upstream.close()  # a no-op once read whole; else the worker sees the disconnect
+        await self._deliver(request, answer, decision, timeout)
         core.record_outcome(decision, ok=True)
         core.first_token(decision)
         return answer
 
-    async def _buffered(self, upstream: UpstreamResponse, candidate: Candidate, decision: Decision) -> web.Response:
+    @staticmethod
+    async def _deliver(
+        request: web.Request, answer: web.StreamResponse, decision: Decision, timeout: asyncio.Timeout | None
+    ) -> None:
+        """Sends a whole answer now, so the client does not wait for the bookkeeping after it."""
+        if timeout is not None:
+            timeout.reschedule(None)  # the worker has answered: only waiting on it is limited
+        try:
+            await answer.prepare(request)
+            await answer.write_eof()  # aiohttp's own write after the handler then does nothing
+        except ConnectionResetError:
+            decision.client_gone = True
+
+    @staticmethod
+    async def _whole(
+        request: web.Request, upstream: UpstreamResponse, candidate: Candidate, request_id: str
+    ) -> web.StreamResponse:
+        """The worker's answer, read whole, as the client will get it."""
         body = await upstream.read()
-        return web.Response(status=upstream.status, body=body, headers=self._headers(upstream, candidate, decision))
+        headers = upstream.headers
+        encoding = headers.get("content-encoding")
+        lines = b"".join((
+            header_line("Content-Encoding", encoding) if encoding is not None else b"",
+            header_line("X-Kvgate-Worker", candidate.worker_id), b"X-Request-Id: ", request_id.encode(), b"\r\n",
+        ))
+        return whole_answer(request, upstream.status, headers.get("content-type"), lines, body)
 
     @staticmethod
     def _headers(upstream: UpstreamResponse, candidate: Candidate, decision: Decision) -> CIMultiDict[str]:
@@ -216,38 +249,48 @@ class Forwarder:
             return _Failure("empty", f"{candidate.worker_id} closed the stream before its first byte")
         headers = self._headers(upstream, candidate, decision)
         headers["Cache-Control"] = "no-cache"
-        response = web.StreamResponse(status=upstream.status, headers=headers)
+        response = _StreamAnswer(status=upstream.status, headers=headers)
         try:
             await response.prepare(request)
             core.first_token(decision)
             self.metrics.observe_ttft(time.perf_counter() - started)
-            await response.write(first)
-            await self._relay_rest(upstream, response, decision, candidate, core, first)
-            await response.write_eof()
+            await self._relay(upstream, response, decision, candidate, core, first)
         except ConnectionResetError:
             decision.client_gone = True  # the caller's `finally` closes the upstream side
         return response
 
-    async def _relay_rest(
+    async def _relay(
         self, upstream: UpstreamResponse, response: web.StreamResponse,
-        decision: Decision, candidate: Candidate, core: RoutingCore, last: bytes,
+        decision: Decision, candidate: Candidate, core: RoutingCore, chunk: bytes,
     ) -> None:
-        """Relays chunks until the worker's end; a client write error propagates."""
+        """Relays `chunk` and the rest until the worker's end, then ends the answer.
+
+        A chunk that is the stream's last goes out with the end of the answer in one
+        write; nothing is ever held back to merge it with what has not arrived yet.
+        A client write error propagates.
+        """
         read = upstream.next_chunk
         write = response.write
-        while True:
+        while not upstream.at_end:
+            await write(chunk)
+            last = chunk
             try:
                 chunk = await read()
             except UpstreamError as exc:
                 core.record_outcome(decision, ok=False)
                 self.metrics.observe_upstream_error(candidate.worker_id, "broken_stream")
-                await write(_stream_error_event(last, f"the worker's stream broke: {exc}"))
+                await response.write_eof(_stream_error_event(last, f"the worker's stream broke: {exc}"))
                 return
             if not chunk:
-                core.record_outcome(decision, ok=True)
-                return
-            await write(chunk)
-            last = chunk
+                break
+        core.record_outcome(decision, ok=True)
+        await response.write_eof(chunk)
+
+
+class _StreamAnswer(web.StreamResponse):
+    """A relayed stream whose head goes out with its first chunk: one write, one TCP segment."""
+
+    _send_headers_immediately = False
 
 
 def _stream_error_event(last_chunk: bytes, message: str) -> bytes:

@@ -31,7 +31,9 @@ from typing import Any
 import uvloop
 from aiohttp import web
 
-from router.router_cmd import add_router_arguments, build_or_exit, gateway_config, setup_logging, start_app
+from router.router_cmd import (
+    add_router_arguments, build_or_exit, freeze_startup_objects, gateway_config, setup_logging, start_app,
+)
 from router.worker_spec import SpecError, WorkerSpec, spec_from_dict
 
 logger = logging.getLogger("kvgate.up")
@@ -196,6 +198,7 @@ async def _up(args: argparse.Namespace, model: str) -> int:
         tasks = [asyncio.create_task(coro) for child in children for coro in (_watch(child), _drain_stdout(child))]
         app = build_or_exit(gateway_config(args, tuple(_spec(child) for child in children)))
         runner, url = await start_app(app, args.host, args.port)
+        freeze_startup_objects()
         print(_banner(url, model, children), flush=True)
         await stop.wait()
         logger.info("stopping")

@@ -13,7 +13,8 @@ Invariants:
 - An answer read to its end with keep-alive returns the connection to its owner at
   once; any other ending aborts the connection (the worker sees the disconnect).
 - The read timeout is the longest silence allowed while an answer is awaited; a
-  reader too slow to take the bytes (reading paused) never counts as silence.
+  reader too slow to take the bytes (reading paused) never counts as silence. One
+  timer per connection serves every exchange on it (no timer per request).
 - Every failure reaches the waiting caller as an `UpstreamError` whose `kind` is
   `disconnect`, `timeout` or `protocol` (the pool adds `connect`).
 """
@@ -76,6 +77,12 @@ class UpstreamResponse:
 
     async def read(self) -> bytes:
         """The whole body."""
+        chunks = self._chunks
+        if self._done and self._error is None:  # it all came with the head: nothing to wait for
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            chunks.clear()
+            self._num_buffered = 0
+            return data
         parts = []
         while chunk := await self.next_chunk():
             parts.append(chunk)
@@ -85,6 +92,11 @@ class UpstreamResponse:
     def num_buffered(self) -> int:
         """Body bytes received and not yet read."""
         return self._num_buffered
+
+    @property
+    def at_end(self) -> bool:
+        """Whether the whole answer arrived fine and was read: `next_chunk()` would return b""."""
+        return self._done and not self._chunks and self._error is None
 
     @property
     def done(self) -> bool:
@@ -182,10 +194,12 @@ class Connection(asyncio.Protocol):
         self._state = "head"
         self._got_bytes = False
         self._keep_alive = True
-        self._head_waiter = self.loop.create_future()
-        self._arm_timer(read_timeout_s)
+        waiter = self._head_waiter = self.loop.create_future()
+        self._last_activity = now = self.loop.time()
+        if self._timer is None:
+            self._timer = self.loop.call_at(now + read_timeout_s, self._on_timer, read_timeout_s)
         self.transport.write(data)
-        return self._head_waiter
+        return waiter
 
     @property
     def got_bytes(self) -> bool:
@@ -206,14 +220,17 @@ class Connection(asyncio.Protocol):
 
     def _parse(self, data: bytes) -> None:
         if self._state == "head":
-            self._buffer += data
-            end = self._buffer.find(b"\r\n\r\n")
+            if self._buffer:  # the head came in pieces: parse it whole
+                self._buffer += data
+                data = bytes(self._buffer)
+                self._buffer.clear()
+            end = data.find(b"\r\n\r\n")
             if end < 0:
-                if len(self._buffer) > MAX_HEAD_BYTES:
+                if len(data) > MAX_HEAD_BYTES:
                     raise UpstreamError("protocol", "response headers too large")
+                self._buffer += data
                 return
-            head, rest = bytes(self._buffer[:end]), bytes(self._buffer[end + 4 :])
-            self._buffer.clear()
+            head, rest = data[:end], data[end + 4 :]
             if not self._start_response(head):
                 self._state = "head"
                 if rest:
@@ -319,7 +336,6 @@ class Connection(asyncio.Protocol):
         response, self._response = self._response, None
         self._state = "idle"
         self._buffer.clear()
-        self._cancel_timer()
         if response is not None:
             response._finish(None)
         if self._keep_alive and not self.closed:
@@ -337,12 +353,10 @@ class Connection(asyncio.Protocol):
         if response is not None:
             response._finish(error)
 
-    # -- read timeout: one timer per exchange, pushed back lazily on activity -----------------
-
-    def _arm_timer(self, timeout_s: float) -> None:
-        self._cancel_timer()
-        self._last_activity = self.loop.time()
-        self._timer = self.loop.call_at(self._last_activity + timeout_s, self._on_timer, timeout_s)
+    # -- read timeout: one timer per connection, pushed back lazily on activity ----------------
+    # NOTE: an exchange that finishes leaves the timer running, and the next one reuses
+    # it (`send` only records its start): no timer is created or cancelled per request.
+    # A timer that fires on an idle connection just lapses; `send` arms a new one.
 
     def _on_timer(self, timeout_s: float) -> None:
         deadline = self._last_activity + timeout_s

@@ -9,11 +9,11 @@ from aiohttp import web
 
 @pytest.fixture
 async def serve():
-    """`await serve(app) -> base URL`: runs an aiohttp app on a free port until the test ends."""
+    """`await serve(app, runner_class=web.AppRunner) -> base URL`: runs an app on a free port until the test ends."""
     runners: list[web.AppRunner] = []
 
-    async def start(app: web.Application) -> str:
-        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
+    async def start(app: web.Application, runner_class: type[web.AppRunner] = web.AppRunner) -> str:
+        runner = runner_class(app, handler_cancellation=True, shutdown_timeout=0.5)
         await runner.setup()
         runners.append(runner)
         await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -79,11 +79,12 @@ async def gateway(serve, wait_until):
     from router.app import build_app
     from router.gateway import GATEWAY, GatewayConfig
     from router.health import HealthConfig
+    from router.runner import GatewayRunner
 
     async def start(*specs, wait_healthy: bool = True, **config):
         config.setdefault("health", HealthConfig(interval_s=0.05, timeout_s=0.5, fail_threshold=1, pass_threshold=1))
         app = build_app(GatewayConfig(workers=tuple(specs), **config))
-        url = await serve(app)
+        url = await serve(app, GatewayRunner)  # as `kvgate router` serves it
         state = app[GATEWAY]
         if wait_healthy:
             await wait_until(lambda: len(state.registry.eligible()) == len(specs), what="workers in rotation")

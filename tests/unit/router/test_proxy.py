@@ -212,6 +212,16 @@ async def test_request_timeout_is_504(serve, gateway):
     await asyncio.wait_for(a.cancelled.wait(), 3)
 
 
+async def test_answers_within_the_request_timeout_are_relayed_whole(serve, gateway):
+    url, state, (a,) = await _fleet(serve, gateway, "ok", proxy=ProxyConfig(request_timeout_s=5.0))
+    status, body, headers = await _post(url, BODY)
+    assert (status, json.loads(body)["served_by"], headers["X-Kvgate-Worker"]) == (200, id(a), "a")
+    assert headers["Content-Length"] == str(len(body)) and headers["Content-Type"].startswith("application/json")
+    status, body, _ = await _post(url, STREAM)
+    assert (status, body) == (200, b"".join(SSE_CHUNKS))
+    assert state.num_in_flight == 0 and state.tracker.num_in_flight == 0
+
+
 async def test_streams_over_a_keep_alive_connection_never_stall(serve, gateway):
     """Small SSE chunks 3 ms apart arrive 3 ms apart, request after request on one connection.
 

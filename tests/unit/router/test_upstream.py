@@ -230,3 +230,17 @@ async def test_connections_have_tcp_nodelay(raw_server):
     (conn,) = pool._all
     sock = conn.transport.get_extra_info("socket")
     assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+
+
+async def test_one_timer_serves_a_connection_across_requests(raw_server):
+    server, pool, port = await raw_server(_ok(b"one"), _ok(b"two"), ["HANG"], read_timeout_s=0.2)
+    loop = asyncio.get_running_loop()
+    assert await (await pool.request("127.0.0.1", port, False, REQUEST)).read() == b"one"
+    await asyncio.sleep(0.25)  # the timer fires while the connection is idle, and lapses
+    assert await (await pool.request("127.0.0.1", port, False, REQUEST)).read() == b"two"
+    await asyncio.sleep(0.12)  # this timer is still pending when the next request starts
+    started = loop.time()
+    with pytest.raises(UpstreamError) as caught:
+        await pool.request("127.0.0.1", port, False, REQUEST)
+    assert caught.value.kind == "timeout" and loop.time() - started >= 0.19  # timed from its own start
+    assert server.num_connections == 1
