@@ -1,7 +1,8 @@
-"""`kvgate up`: a router and N local sim workers, started, watched and stopped as one.
+"""`kvgate up`: a router and N local workers, started, watched and stopped as one.
 
-Starts `--workers N` child processes `kvgate worker --engine sim` on free ports (HTTP
-port 0, ZMQ `tcp://127.0.0.1:*`), reads each one's JSON ready line for its real URL
+Starts `--workers N` child processes `kvgate worker --engine torch` (the reference
+engine and its tiny seeded model; `--engine sim` for the timing-model worker) on free
+ports (HTTP port 0, ZMQ `tcp://127.0.0.1:*`), reads each one's JSON ready line for its real URL
 and endpoints, then serves the router app in this process with those workers as
 static workers, and prints the URL and a curl example (after one JSON ready line,
 `{"event": "ready", "url", "workers": [each worker's ready line and "pid"]}`, for scripts).
@@ -36,6 +37,8 @@ from router.router_cmd import (
 )
 from router.worker_spec import SpecError, WorkerSpec, spec_from_dict
 
+ENGINES = ("torch", "sim")  # what `kvgate worker --engine` runs
+
 logger = logging.getLogger("kvgate.up")
 _REPO_ROOT = str(Path(__file__).resolve().parents[1])
 _FREE_ZMQ = "tcp://127.0.0.1:*"
@@ -43,10 +46,12 @@ _FREE_ZMQ = "tcp://127.0.0.1:*"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_router_arguments(parser)
-    fleet = parser.add_argument_group("local sim workers")
-    fleet.add_argument("--workers", type=int, default=2, help="how many sim workers to start")
+    fleet = parser.add_argument_group("local workers")
+    fleet.add_argument("--engine", choices=ENGINES, default="torch",
+                       help="the workers' engine: torch (the reference model, default) or sim (a timing model)")
+    fleet.add_argument("--workers", type=int, default=2, help="how many workers to start")
     fleet.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per worker")
-    fleet.add_argument("--speedup", type=float, default=1.0, help="run the sim timing model this many times faster")
+    fleet.add_argument("--speedup", type=float, default=1.0, help="sim engine: run its timing model this many times faster")
     fleet.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                        help="extra argument for every `kvgate worker` (repeatable, e.g. --worker-arg=--max-num-seqs=64)")
     fleet.add_argument("--startup-timeout", type=float, default=30.0, help="seconds a worker may take to be ready")
@@ -61,11 +66,12 @@ class Child:
     stopping: bool = False
 
 
-def _worker_command(args: argparse.Namespace, name: str, model: str) -> list[str]:
+def _worker_command(args: argparse.Namespace, name: str, model: str | None) -> list[str]:
     return [
-        sys.executable, "-m", "router.cli", "worker", "--engine", "sim", "--host", "127.0.0.1", "--port", "0",
-        "--worker-id", name, "--model", model, "--block-size", str(args.block_size),
-        "--num-blocks", str(args.num_blocks), "--speedup", str(args.speedup), "--tokenizer", args.tokenizer,
+        sys.executable, "-m", "router.cli", "worker", "--engine", args.engine, "--host", "127.0.0.1", "--port", "0",
+        "--worker-id", name, *(("--model", model) if model else ()), "--block-size", str(args.block_size),
+        "--num-blocks", str(args.num_blocks), "--tokenizer", args.tokenizer,
+        *(("--speedup", str(args.speedup)) if args.engine == "sim" else ()),
         "--events-endpoint", _FREE_ZMQ, "--replay-endpoint", _FREE_ZMQ, "--load-endpoint", _FREE_ZMQ,
         "--log-level", args.log_level, *args.worker_arg,
     ]
@@ -77,7 +83,7 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-async def _start_child(args: argparse.Namespace, name: str, model: str) -> Child:
+async def _start_child(args: argparse.Namespace, name: str, model: str | None) -> Child:
     process = await asyncio.create_subprocess_exec(
         *_worker_command(args, name, model), stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, env=_child_env(),
@@ -169,20 +175,20 @@ async def _stop_children(children: list[Child], timeout_s: float) -> None:
         await asyncio.wait(pending)
 
 
-def _banner(url: str, model: str, children: list[Child]) -> str:
+def _banner(url: str, model: str, engine: str, children: list[Child]) -> str:
     workers = [{**(child.ready or {}), "pid": child.process.pid} for child in children]
     ready = {"event": "ready", "url": url, "workers": workers}
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "stream": True})
     return "\n".join((
         json.dumps(ready),
-        f"kvgate is up: {url} routes to {len(children)} sim worker(s) serving {model!r}.",
+        f"kvgate is up: {url} routes to {len(children)} {engine} worker(s) serving {model!r}.",
         "Try:",
         f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
         f"Admin: {url}/admin/stats   Metrics: {url}/metrics   Stop: Ctrl-C",
     ))
 
 
-async def _up(args: argparse.Namespace, model: str) -> int:
+async def _up(args: argparse.Namespace, model: str | None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -192,14 +198,15 @@ async def _up(args: argparse.Namespace, model: str) -> int:
     runner: web.AppRunner | None = None
     try:
         for position in range(args.workers):
-            children.append(await _start_child(args, f"sim-{position}", model))
+            children.append(await _start_child(args, f"{args.engine}-{position}", model))
         if not await _all_ready(children, args.startup_timeout, stop):
             return 0
+        model = model or children[0].ready["model"]  # type: ignore[index]
         tasks = [asyncio.create_task(coro) for child in children for coro in (_watch(child), _drain_stdout(child))]
         app = build_or_exit(gateway_config(args, tuple(_spec(child) for child in children)))
         runner, url = await start_app(app, args.host, args.port)
         freeze_startup_objects()
-        print(_banner(url, model, children), flush=True)
+        print(_banner(url, model, args.engine, children), flush=True)
         await stop.wait()
         logger.info("stopping")
         return 0
@@ -223,6 +230,6 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise SystemExit("kvgate up: --port must be in [0, 65535]")
     setup_logging(args.log_level)
-    model = args.model or "kvgate-sim"
+    model = args.model  # None: each engine's own default, read from the ready lines
     gateway_config(args, ())  # validates every router flag before any child starts
     return uvloop.run(_up(args, model))

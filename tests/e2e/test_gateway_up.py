@@ -29,7 +29,7 @@ def test_up_serves_reports_a_dead_worker_and_stops_on_sigterm(tmp_path):
     env["PYTHONPATH"] = str(REPO_ROOT)
     stderr = open(tmp_path / "up.log", "w+")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "up", "--workers", "2", "--port", "0", "--speedup", "20",
+        [sys.executable, "-m", "router.cli", "up", "--engine", "sim", "--workers", "2", "--port", "0", "--speedup", "20",
          "--log-level", "WARNING", "--health-interval", "0.2"],
         stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=REPO_ROOT,
     )
@@ -59,6 +59,39 @@ def test_up_serves_reports_a_dead_worker_and_stops_on_sigterm(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0, stderr_text(stderr)
         assert all(_gone(worker["pid"]) for worker in ready["workers"])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        stderr.close()
+
+
+def test_up_by_default_serves_the_reference_model_as_the_banner_says(tmp_path):
+    # What a first-time user does: `make run` (kvgate up), then the printed curl command.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    stderr = open(tmp_path / "up.log", "w+")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router.cli", "up", "--workers", "1", "--port", "0", "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=REPO_ROOT,
+    )
+    try:
+        readable, _, _ = select.select([proc.stdout], [], [], 60)
+        assert readable, "kvgate up printed nothing in 60 s"
+        ready = json.loads(proc.stdout.readline())
+        banner = [proc.stdout.readline() for _ in range(4)]
+        assert "1 torch worker(s) serving 'kvgate-moe-tiny'" in banner[0]
+        curl = banner[2].strip()
+        assert curl.startswith("curl -N ")
+        done = subprocess.run(["sh", "-c", curl + " -sS --max-time 60"], capture_output=True, text=True, timeout=90)
+        events = [line.removeprefix("data: ") for line in done.stdout.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", done.stdout + done.stderr
+        chunks = [json.loads(event) for event in events[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+        assert ready["workers"][0]["model"] == "kvgate-moe-tiny"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0, stderr_text(stderr)
     finally:
         if proc.poll() is None:
             proc.kill()
