@@ -95,10 +95,7 @@ class RoutingCore:
             )
             report = get_report((spec.worker_id, 0))
             if report is not None:
-                candidate.num_running = report.num_running
-                candidate.num_waiting = report.num_waiting
-                candidate.kv_usage = report.kv_usage
-                candidate.num_kv_blocks_total = report.num_kv_blocks_total
+                candidate.apply_report(report)
             candidates.append(candidate)
         self.tracker.fill(candidates)
         return candidates
