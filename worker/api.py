@@ -117,6 +117,8 @@ class GenerateRequest:
     seed: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off (vLLM's extension, as are stop_token_ids)
+    stop_token_ids: tuple[int, ...] = ()
     stream: bool = False
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
@@ -250,6 +252,8 @@ def _build(
         seed=_int(body, "seed", -(2**63), 2**64 - 1),
         temperature=_number(body, "temperature", 0.0, 2.0, 1.0, low_open=False),
         top_p=_number(body, "top_p", 0.0, 1.0, 1.0, low_open=True),
+        top_k=_int(body, "top_k", -1) or 0,
+        stop_token_ids=_stop_token_ids(body, served.tokenizer.vocab_size),
         stream=stream,
         include_usage=_include_usage(body, stream),
     )
@@ -298,6 +302,19 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     if len(stops) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"stop holds {len(stops)} strings, at most {MAX_STOP_STRINGS} allowed", param="stop")
     return tuple(dict.fromkeys(stops))
+
+
+def _stop_token_ids(body: dict[str, Any], vocab_size: int) -> tuple[int, ...]:
+    value = body.get("stop_token_ids")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(type(t) is int and 0 <= t < vocab_size for t in value):
+        raise InvalidRequest(f"stop_token_ids must be a list of token ids in [0, {vocab_size})", param="stop_token_ids")
+    if len(value) > MAX_STOP_STRINGS:
+        raise InvalidRequest(
+            f"stop_token_ids holds {len(value)} ids, at most {MAX_STOP_STRINGS} allowed", param="stop_token_ids"
+        )
+    return tuple(dict.fromkeys(value))
 
 
 def _include_usage(body: dict[str, Any], stream: bool) -> bool:

@@ -67,8 +67,10 @@ def sampling_params(request: GenerateRequest) -> SamplingParams:
         max_tokens=request.max_tokens,
         temperature=request.temperature,
         top_p=request.top_p,
+        top_k=request.top_k,
         seed=request.seed,
         ignore_eos=request.ignore_eos,
+        stop_token_ids=request.stop_token_ids,
     )
 
 

@@ -69,9 +69,11 @@ def test_every_option_is_read():
         "stream_options": {"include_usage": True}, "stop": ["ab", "cd", "ab"], "seed": -7,
         "ignore_eos": True, "user": "u1", "echo": False, "logprobs": None, "best_of": 1,
         "kv_transfer_params": {"anything": [1]}, "unknown_field": {"x": 1},
+        "top_k": 20, "stop_token_ids": [7, 9, 7],
     }
     request = parse_completion(body, SERVED)
     assert list(request.prompt_token_ids) == [1, 2, 3]
+    assert (request.top_k, request.stop_token_ids) == (20, (7, 9))
     assert (request.max_tokens, request.temperature, request.top_p, request.seed) == (5, 0.0, 0.5, -7)
     assert request.stop == ("ab", "cd")  # de-duplicated, order kept
     assert (request.stream, request.include_usage, request.ignore_eos) == (True, True, True)
@@ -132,6 +134,10 @@ BAD_COMPLETIONS = [
     ({"prompt": "a", "top_p": 0}, "top_p", "top_p must be in (0.0, 1.0], got 0"),
     ({"prompt": "a", "top_p": 1.01}, "top_p", "top_p must be in (0.0, 1.0]"),
     ({"prompt": "a", "top_p": False}, "top_p", "top_p must be a number"),
+    ({"prompt": "a", "top_k": -2}, "top_k", "top_k must be >= -1, got -2"),
+    ({"prompt": "a", "top_k": 1.5}, "top_k", "top_k must be an integer"),
+    ({"prompt": "a", "stop_token_ids": [1, 260]}, "stop_token_ids", "token ids in [0, 260)"),
+    ({"prompt": "a", "stop_token_ids": 5}, "stop_token_ids", "must be a list"),
     ({"prompt": "a", "n": 2}, "n", "only n=1 is supported"),
     ({"prompt": "a", "n": 0}, "n", "n must be >= 1, got 0"),
     ({"prompt": "a", "n": "1"}, "n", "n must be an integer"),

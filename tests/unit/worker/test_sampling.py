@@ -65,8 +65,9 @@ def test_invalid_params_name_the_field(field, value, message):
 
 def test_params_of_a_parsed_request():
     request = GenerateRequest(
-        "r", "completion", "m", array("I", [1, 2]), max_tokens=7, ignore_eos=True, seed=3, temperature=0.5, top_p=0.8
+        "r", "completion", "m", array("I", [1, 2]), max_tokens=7, ignore_eos=True, seed=3, temperature=0.5, top_p=0.8,
+        top_k=5, stop_token_ids=(4, 2),
     )
     assert sampling_params(request) == SamplingParams(
-        max_tokens=7, temperature=0.5, top_p=0.8, seed=3, ignore_eos=True
+        max_tokens=7, temperature=0.5, top_p=0.8, top_k=5, seed=3, ignore_eos=True, stop_token_ids=(4, 2)
     )
