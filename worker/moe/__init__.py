@@ -1,0 +1,36 @@
+"""Expert parallelism: routed experts sharded over EP ranks, tokens moved by all-to-all.
+
+Layout: `placement` (which rank holds which expert), `a2a` (the backend interface and
+the single-process backend), `a2a_torch` (torch.distributed: gloo on CPU, NCCL on
+CUDA), `dispatch` (dispatch/combine over a backend, with handles to wait on later),
+`layer` (`ExpertParallelMoE`, one rank's share of `worker.models.moe.MoE`).
+`a2a_torch` is not imported here so that the package loads without initialising
+torch.distributed.
+"""
+
+from worker.moe.a2a import AllToAllBackend, AllToAllHandle, CompletedHandle, SingleProcessBackend
+from worker.moe.dispatch import (
+    DispatchedTokens,
+    DispatchPlan,
+    ExpertDispatcher,
+    PendingCombine,
+    PendingDispatch,
+    plan_dispatch,
+)
+from worker.moe.layer import ExpertParallelMoE
+from worker.moe.placement import ExpertPlacement
+
+__all__ = [
+    "AllToAllBackend",
+    "AllToAllHandle",
+    "CompletedHandle",
+    "DispatchPlan",
+    "DispatchedTokens",
+    "ExpertDispatcher",
+    "ExpertParallelMoE",
+    "ExpertPlacement",
+    "PendingCombine",
+    "PendingDispatch",
+    "SingleProcessBackend",
+    "plan_dispatch",
+]

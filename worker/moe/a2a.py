@@ -1,0 +1,106 @@
+"""The all-to-all backend interface that expert parallelism talks through, and its
+single-process implementation.
+
+Owns `AllToAllBackend` (what dispatch/combine need from a transport), `AllToAllHandle`
+(an exchange in flight) and `SingleProcessBackend` (EP size 1: every exchange is the
+identity, already complete).
+
+The interface is split in two on purpose. `exchange_counts` is a small blocking step
+(each rank learns how many rows every peer will send it). `all_to_all` then only
+*starts* the bulk transfer and returns a handle; the caller may run other work
+(another micro-batch, the shared expert) and call `handle.wait()` when it needs the
+rows. A Dual Batch Overlap scheduler yields between the start and the wait; a kernel
+library with its own receive hooks (DeepEP) fits the same shape as another backend.
+
+Invariants: on every rank the calls happen in the same order (they are collectives);
+`send_counts[r]` rows go to rank r, in rank order; the result holds `recv_counts[r]`
+rows from rank r, in rank order.
+Callers: `worker.moe.dispatch`; implementations: this module and `worker.moe.a2a_torch`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Protocol, Sequence
+
+import torch
+
+
+class AllToAllHandle(Protocol):
+    """An all-to-all that has been started; `wait` blocks until its result is ready."""
+
+    def is_completed(self) -> bool: ...
+
+    def wait(self) -> torch.Tensor: ...
+
+
+class CompletedHandle:
+    """A handle whose result is already known (local exchanges, empty transfers)."""
+
+    __slots__ = ("_result",)
+
+    def __init__(self, result: torch.Tensor) -> None:
+        self._result = result
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> torch.Tensor:
+        return self._result
+
+
+class AllToAllBackend(ABC):
+    """A group of `world_size` ranks exchanging variable-length row blocks."""
+
+    @property
+    @abstractmethod
+    def rank(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def world_size(self) -> int: ...
+
+    @abstractmethod
+    def exchange_counts(self, send_counts: Sequence[int]) -> list[int]:
+        """Blocking: given how many rows this rank sends to each rank, return how many
+        rows it receives from each rank."""
+
+    @abstractmethod
+    def all_to_all(
+        self, rows: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]
+    ) -> AllToAllHandle:
+        """Start sending `rows` (dim 0 split by `send_counts`); the handle yields the
+        `sum(recv_counts)` received rows, same trailing shape and dtype."""
+
+
+def check_counts(backend: AllToAllBackend, rows: torch.Tensor, send_counts: Sequence[int]) -> None:
+    """Raise ValueError when `send_counts` does not describe `rows` for this group."""
+    if len(send_counts) != backend.world_size:
+        raise ValueError(f"send_counts must have {backend.world_size} entries, got {len(send_counts)}")
+    if any(c < 0 for c in send_counts) or sum(send_counts) != rows.shape[0]:
+        raise ValueError(f"send_counts {list(send_counts)} do not split {rows.shape[0]} rows")
+
+
+class SingleProcessBackend(AllToAllBackend):
+    """EP size 1: this rank holds every expert, so every row comes straight back."""
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def exchange_counts(self, send_counts: Sequence[int]) -> list[int]:
+        if len(send_counts) != 1:
+            raise ValueError(f"send_counts must have 1 entry, got {len(send_counts)}")
+        return [int(send_counts[0])]
+
+    def all_to_all(
+        self, rows: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]
+    ) -> AllToAllHandle:
+        check_counts(self, rows, send_counts)
+        if list(recv_counts) != list(send_counts):
+            raise ValueError(f"recv_counts {list(recv_counts)} must equal send_counts {list(send_counts)}")
+        return CompletedHandle(rows)
