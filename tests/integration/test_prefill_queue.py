@@ -1,0 +1,402 @@
+"""The prefill queue contract, checked on both implementations, plus Redis faults.
+
+The conformance tests run once on `MemoryPrefillQueue` and once on
+`RedisPrefillQueue` against the real Redis at $KVGATE_REDIS_URL (set by `make test`),
+each under its own key prefix, deleted afterwards; they fail if Redis does not answer.
+The fault tests start their own `redis-server` on a free port and kill it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis.asyncio as redis
+
+from kvstore.memory_queue import MemoryPrefillQueue
+from kvstore.prefill_job import PrefillJob
+from kvstore.prefill_queue import PrefillQueue, QueueConfig, QueueUnavailable, open_prefill_queue
+from kvstore.redis_queue import RedisPrefillQueue
+
+REDIS_URL = os.environ.get("KVGATE_REDIS_URL", "redis://127.0.0.1:6379")
+MODEL = "tiny-moe"
+FAST = {"max_len": 1000, "idle_timeout_s": 0.15, "max_deliveries": 3, "op_timeout_s": 1.0}
+# Redis trims with MAXLEN ~ only whole stream nodes (stream-node-max-entries, 100 by default).
+TRIM_SLACK = 100
+
+
+def make_job(request_id: str, model: str = MODEL, deadline_in_s: float = 60.0) -> PrefillJob:
+    return PrefillJob(
+        request_id=request_id,
+        model=model,
+        token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
+        block_ids=[7, 9],
+        decode_worker_id="decode-0",
+        transfer_endpoint="tcp://127.0.0.1:5555",
+        deadline=time.time() + deadline_in_s,
+        num_cached_tokens=0,
+        agent_metadata=b"agent",
+        created_at=time.time(),
+    )
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def make_queue(request):
+    prefix = f"kvgate-test-{uuid.uuid4().hex}"
+    queues: list[PrefillQueue] = []
+
+    async def make(**overrides) -> PrefillQueue:
+        config = QueueConfig(key_prefix=prefix, **{**FAST, **overrides})
+        queue: PrefillQueue
+        if request.param == "memory":
+            queue = MemoryPrefillQueue(config)
+        else:
+            queue = RedisPrefillQueue(REDIS_URL, config)
+        queues.append(queue)
+        await queue.start()
+        assert queue.is_available, f"no Redis answers at {REDIS_URL} (set KVGATE_REDIS_URL)"
+        return queue
+
+    yield make
+    for queue in queues:
+        await queue.close()
+    if request.param == "redis":
+        client = redis.Redis.from_url(REDIS_URL)
+        try:
+            keys = [key async for key in client.scan_iter(match=f"{prefix}:*")]
+            if keys:
+                await client.delete(*keys)
+        finally:
+            await client.aclose()
+
+
+async def drain(queue: PrefillQueue, consumer: str = "w0") -> list[str]:
+    """Claim and ack every job ready now; their request ids in delivery order."""
+    request_ids = []
+    while (claimed := await queue.claim(MODEL, consumer, timeout_s=0)) is not None:
+        request_ids.append(claimed.job.request_id)
+        assert await queue.ack(claimed)
+    return request_ids
+
+
+async def test_enqueue_claim_ack_round_trip(make_queue):
+    queue = await make_queue()
+    job = make_job("r1")
+    assert isinstance(queue, PrefillQueue)
+    assert await queue.enqueue(job) is True
+    assert await queue.depth(MODEL) == 1
+    claimed = await queue.claim(MODEL, "w0", timeout_s=1.0)
+    assert claimed is not None
+    assert (claimed.job, claimed.consumer, claimed.num_deliveries) == (job, "w0", 1)
+    assert await queue.depth(MODEL) == 1  # claimed, not finished
+    assert await queue.ack(claimed) is True
+    assert await queue.ack(claimed) is False
+    assert await queue.depth(MODEL) == 0
+    assert await queue.claim(MODEL, "w0", timeout_s=0) is None
+    counters = queue.counters.snapshot()
+    assert counters == {**dict.fromkeys(counters, 0), "num_enqueued": 1, "num_delivered": 1, "num_acked": 1}
+
+
+async def test_blocking_claim_wakes_on_enqueue(make_queue):
+    queue = await make_queue()
+    waiter = asyncio.create_task(queue.claim(MODEL, "w0", timeout_s=5.0))
+    await asyncio.sleep(0.05)
+    started = time.monotonic()
+    await queue.enqueue(make_job("r1"))
+    claimed = await asyncio.wait_for(waiter, 2.0)
+    assert claimed is not None and claimed.job.request_id == "r1"
+    assert time.monotonic() - started < 1.0
+
+
+async def test_jobs_come_out_in_enqueue_order(make_queue):
+    queue = await make_queue()
+    for i in range(6):
+        assert await queue.enqueue(make_job(f"r{i}"))
+    assert await drain(queue) == [f"r{i}" for i in range(6)]
+
+
+async def test_queues_are_per_model(make_queue):
+    queue = await make_queue()
+    for i in range(3):
+        await queue.enqueue(make_job(f"a{i}", model="model-a"))
+    await queue.enqueue(make_job("b0", model="model-b"))
+    assert (await queue.depth("model-a"), await queue.depth("model-b")) == (3, 1)
+    claimed = await queue.claim("model-b", "w0", timeout_s=0)
+    assert claimed is not None and claimed.job.request_id == "b0"
+    assert await queue.claim("model-b", "w0", timeout_s=0) is None
+    await queue.ack(claimed)
+    assert (await queue.depth("model-a"), await queue.depth("model-b")) == (3, 0)
+
+
+async def test_length_is_bounded_and_oldest_jobs_are_trimmed(make_queue):
+    queue = await make_queue(max_len=5)
+    num_jobs = 250
+    for i in range(num_jobs):
+        assert await queue.enqueue(make_job(f"r{i}"))
+    depth = await queue.depth(MODEL)
+    assert 5 <= depth <= 5 + TRIM_SLACK
+    # What is left is exactly the newest `depth` jobs, in order.
+    assert await drain(queue) == [f"r{i}" for i in range(num_jobs - depth, num_jobs)]
+
+
+async def test_same_request_is_enqueued_once(make_queue):
+    queue = await make_queue(dedupe_ttl_s=0.3)
+    assert await queue.enqueue(make_job("r1")) is True
+    assert await queue.enqueue(make_job("r1")) is False
+    assert await queue.depth(MODEL) == 1
+    assert await drain(queue) == ["r1"]
+    assert await queue.enqueue(make_job("r1")) is False  # still within the TTL once done
+    assert queue.counters.num_duplicates == 2
+    await asyncio.sleep(0.35)
+    assert await queue.enqueue(make_job("r1")) is True
+    assert await queue.depth(MODEL) == 1
+
+
+async def test_expired_job_is_dropped_not_returned(make_queue):
+    queue = await make_queue()
+    await queue.enqueue(make_job("late", deadline_in_s=-1.0))
+    await queue.enqueue(make_job("live"))
+    claimed = await queue.claim(MODEL, "w0", timeout_s=0)
+    assert claimed is not None and claimed.job.request_id == "live"
+    assert queue.counters.num_expired == 1
+    assert await queue.depth(MODEL) == 1
+    await queue.ack(claimed)
+    assert await queue.depth(MODEL) == 0
+
+
+async def test_job_expiring_while_claimed_is_not_redelivered(make_queue):
+    queue = await make_queue()
+    await queue.enqueue(make_job("r1", deadline_in_s=0.2))
+    assert await queue.claim(MODEL, "dead-worker", timeout_s=0) is not None
+    await asyncio.sleep(0.25)  # past both the deadline and the idle timeout
+    assert await queue.claim(MODEL, "w1", timeout_s=0) is None
+    assert (queue.counters.num_reclaimed, queue.counters.num_expired) == (1, 1)
+    assert await queue.depth(MODEL) == 0
+
+
+async def test_idle_job_is_reclaimed_by_another_consumer(make_queue):
+    queue = await make_queue()
+    await queue.enqueue(make_job("r1"))
+    first = await queue.claim(MODEL, "dead-worker", timeout_s=0)
+    assert first is not None
+    assert await queue.claim(MODEL, "w1", timeout_s=0) is None  # not idle long enough yet
+    started = time.monotonic()
+    second = await queue.claim(MODEL, "w1", timeout_s=2.0)
+    waited_s = time.monotonic() - started
+    assert second is not None
+    assert (second.job, second.consumer, second.num_deliveries) == (first.job, "w1", 2)
+    assert 0.1 <= waited_s < 1.0
+    assert queue.counters.num_reclaimed == 1
+    assert await queue.ack(second) is True
+    assert await queue.ack(first) is False  # the dead worker's late ack changes nothing
+    assert await queue.depth(MODEL) == 0
+
+
+async def test_job_delivered_too_often_is_dead_lettered(make_queue):
+    queue = await make_queue(max_deliveries=2, idle_timeout_s=0.1)
+    job = make_job("poison")
+    await queue.enqueue(job)
+    await queue.enqueue(make_job("fine"))
+    assert (await queue.claim(MODEL, "w0", timeout_s=0)).job.request_id == "poison"
+    assert (await queue.claim(MODEL, "w0", timeout_s=0)).job.request_id == "fine"
+    second = await queue.claim(MODEL, "w1", timeout_s=1.0)
+    assert second is not None and (second.job.request_id, second.num_deliveries) == ("poison", 2)
+    # "fine" is never acked either: its second delivery, then both hit the limit.
+    third = await queue.claim(MODEL, "w2", timeout_s=1.0)
+    assert third is not None and (third.job.request_id, third.num_deliveries) == ("fine", 2)
+    assert await queue.claim(MODEL, "w3", timeout_s=0.5) is None
+    dead = await queue.dead_letters(MODEL)
+    assert [(d.job, d.num_deliveries, d.reason) for d in dead][:1] == [
+        (job, 3, "delivered 3 times without ack (limit 2)")
+    ]
+    assert [d.job.request_id for d in dead] == ["poison", "fine"]
+    assert queue.counters.num_dead_lettered == 2
+    assert await queue.depth(MODEL) == 0
+
+
+async def test_depth_counts_waiting_and_claimed_jobs(make_queue):
+    queue = await make_queue()
+    assert await queue.depth(MODEL) == 0
+    for i in range(4):
+        await queue.enqueue(make_job(f"r{i}"))
+    claimed = await queue.claim(MODEL, "w0", timeout_s=0)
+    assert await queue.depth(MODEL) == 4
+    await queue.ack(claimed)
+    assert await queue.depth(MODEL) == 3
+
+
+async def test_undecodable_redis_entry_is_dead_lettered_with_the_reason():
+    config = QueueConfig(key_prefix=f"kvgate-test-{uuid.uuid4().hex}", **FAST)
+    queue = RedisPrefillQueue(REDIS_URL, config)
+    client = redis.Redis.from_url(REDIS_URL)
+    stream = f"{config.key_prefix}:prefill:{MODEL}"
+    try:
+        await queue.start()
+        await client.xadd(stream, {"job": b"\xc1 not msgpack"})
+        await queue.enqueue(make_job("r1"))
+        claimed = await queue.claim(MODEL, "w0", timeout_s=0)
+        assert claimed is not None and claimed.job.request_id == "r1"
+        [dead] = await queue.dead_letters(MODEL)
+        assert (dead.job, dead.num_deliveries) == (None, 1)
+        assert dead.reason.startswith("undecodable job: ")
+        assert queue.counters.num_dead_lettered == 1
+    finally:
+        await queue.close()
+        await client.delete(stream, f"{stream}:dead", f"{stream}:seen:r1")
+        await client.aclose()
+
+
+def test_open_prefill_queue_picks_the_implementation():
+    assert isinstance(open_prefill_queue(None), MemoryPrefillQueue)
+    assert isinstance(open_prefill_queue(REDIS_URL), RedisPrefillQueue)
+
+
+def test_config_names_the_bad_field():
+    with pytest.raises(ValueError, match="QueueConfig.max_deliveries"):
+        QueueConfig(max_deliveries=0)
+
+
+# --- faults: a redis-server of our own ---------------------------------------------
+
+FAULT_CONFIG = {"op_timeout_s": 0.3, "backoff_initial_s": 0.02, "backoff_max_s": 0.1, "idle_timeout_s": 30.0}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_redis(port: int, data_dir: Path, durable: bool) -> subprocess.Popen:
+    """A redis-server on `port`; `durable` fsyncs every write to an AOF in `data_dir`."""
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is not installed"
+    persistence = ["--appendonly", "yes", "--appendfsync", "always"] if durable else ["--appendonly", "no"]
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", *persistence, "--dir", str(data_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 5.0
+    while not _answers(port):
+        assert proc.poll() is None, f"redis-server exited with {proc.returncode}"
+        assert time.monotonic() < deadline, "redis-server did not answer within 5 s"
+        time.sleep(0.01)
+    return proc
+
+
+def kill(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(5)
+
+
+def _answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), 0.2) as conn:
+            conn.sendall(b"*1\r\n$4\r\nPING\r\n")
+            return conn.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+async def wait_available(queue: PrefillQueue, within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not queue.is_available:
+        assert time.monotonic() < deadline, "the queue did not reconnect by itself"
+        await asyncio.sleep(0.01)
+
+
+async def assert_unavailable_fast(queue: PrefillQueue) -> None:
+    """Every operation raises QueueUnavailable, each within 1 s."""
+    operations = [
+        lambda: queue.enqueue(make_job("during-outage")),
+        lambda: queue.claim(MODEL, "w0", timeout_s=0.5),
+        lambda: queue.depth(MODEL),
+    ]
+    for operation in operations:
+        started = time.monotonic()
+        with pytest.raises(QueueUnavailable):
+            await operation()
+        assert time.monotonic() - started < 1.0
+
+
+@pytest.fixture
+def redis_dir(tmp_path):
+    procs: list[subprocess.Popen] = []
+    yield tmp_path, procs
+    for proc in procs:
+        if proc.poll() is None:
+            kill(proc)
+
+
+async def test_unreachable_redis_raises_fast_and_start_does_not():
+    queue = RedisPrefillQueue(f"redis://127.0.0.1:{free_port()}", QueueConfig(**FAULT_CONFIG))
+    try:
+        await queue.start()
+        assert not queue.is_available
+        await assert_unavailable_fast(queue)
+        assert queue.counters.num_unavailable >= 3
+    finally:
+        await queue.close()
+
+
+async def test_durable_redis_killed_and_restarted_loses_no_enqueued_job(redis_dir):
+    data_dir, procs = redis_dir
+    port = free_port()
+    procs.append(start_redis(port, data_dir, durable=True))
+    queue = RedisPrefillQueue(f"redis://127.0.0.1:{port}", QueueConfig(**FAULT_CONFIG))
+    try:
+        await queue.start()
+        for i in range(5):
+            assert await queue.enqueue(make_job(f"r{i}"))
+        in_flight = await queue.claim(MODEL, "w0", timeout_s=0)
+        assert in_flight is not None and in_flight.job.request_id == "r0"
+        # A claim blocked on an empty queue is interrupted by the crash, not left hanging.
+        blocked = asyncio.create_task(queue.claim("idle-model", "w1", timeout_s=5.0))
+        await asyncio.sleep(0.05)
+        kill(procs[0])
+        with pytest.raises(QueueUnavailable):
+            await asyncio.wait_for(blocked, 1.0)
+        assert not queue.is_available
+        await assert_unavailable_fast(queue)
+        procs.append(start_redis(port, data_dir, durable=True))
+        await wait_available(queue)
+        # Jobs, the consumer group with its pending entry and dedupe keys all survive.
+        assert await queue.depth(MODEL) == 5
+        assert await queue.enqueue(make_job("r3")) is False
+        assert await drain(queue, "w1") == ["r1", "r2", "r3", "r4"]
+        assert await queue.ack(in_flight) is True
+        assert await queue.depth(MODEL) == 0
+    finally:
+        await queue.close()
+
+
+async def test_redis_without_persistence_restarts_empty_and_queue_works_again(redis_dir):
+    data_dir, procs = redis_dir
+    port = free_port()
+    procs.append(start_redis(port, data_dir, durable=False))
+    queue = RedisPrefillQueue(f"redis://127.0.0.1:{port}", QueueConfig(**FAULT_CONFIG))
+    try:
+        await queue.start()
+        for i in range(3):
+            assert await queue.enqueue(make_job(f"r{i}"))
+        assert await queue.claim(MODEL, "w0", timeout_s=0) is not None
+        kill(procs[0])
+        await assert_unavailable_fast(queue)
+        procs.append(start_redis(port, data_dir, durable=False))
+        await wait_available(queue)
+        # Nothing survives: no jobs, no group, no dedupe keys. Decode workers fall back
+        # at their deadlines; the queue itself recreates what it needs.
+        assert await queue.depth(MODEL) == 0
+        assert await queue.enqueue(make_job("r0")) is True
+        assert await drain(queue) == ["r0"]
+    finally:
+        await queue.close()
