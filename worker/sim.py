@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
@@ -35,6 +34,7 @@ from indexer.load import LoadReport
 from worker.api import EngineUnavailable, GenerateRequest, InvalidRequest, ServedModel
 from worker.block_pool import BlockPool
 from worker.engine import EngineOutput, EngineStats, OutputStreams
+from worker.engine_io import EnginePublishers, TokenRate
 from worker.kv_publisher import KVEventPublisher, LoadPublisher
 from worker.scheduler import RequestState, Scheduler, StepResult
 
@@ -48,7 +48,6 @@ LOREM = (
     "in culpa qui officia deserunt mollit anim id est laborum."
 )
 _MAX_LAG_S = 0.05  # how far the step clock may run behind before it stops catching up
-_RATE_WINDOW_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,18 +137,17 @@ class SimEngine:
         self.pool = BlockPool(config.num_blocks, config.block_size, model=served.name)
         self.scheduler = Scheduler(config, self.pool)
         self._passage = served.tokenizer.encode(LOREM).tolist()
-        self._endpoints = (events_endpoint, replay_endpoint, load_endpoint)
-        self.kv_publisher: KVEventPublisher | None = None
-        self.load_publisher: LoadPublisher | None = None
+        # The load timer task forces periodic reports, so the throttle has no interval of its own.
+        self._publishers = EnginePublishers(
+            events_endpoint, replay_endpoint, load_endpoint, min_load_interval_s=config.min_load_interval_s
+        )
         self._streams = OutputStreams(on_close=self.abort)
         self._new: list[RequestState] = []
         self._aborts: set[str] = set()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._state = "not started"  # -> running -> stopped, or -> dead if the loop failed
-        self._rate: deque[tuple[float, int]] = deque()
-        self._last_load: tuple[int, ...] = ()
-        self._last_load_at = 0.0
+        self._rate = TokenRate()
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -157,17 +155,17 @@ class SimEngine:
     def is_alive(self) -> bool:
         return self._state == "running"
 
+    @property
+    def kv_publisher(self) -> KVEventPublisher | None:
+        return self._publishers.kv_publisher
+
+    @property
+    def load_publisher(self) -> LoadPublisher | None:
+        return self._publishers.load_publisher
+
     async def start(self) -> None:
         """Binds the publishers (ZMQ errors raise here) and starts the step loop."""
-        events_endpoint, replay_endpoint, load_endpoint = self._endpoints
-        try:
-            if events_endpoint is not None:
-                self.kv_publisher = KVEventPublisher(events_endpoint, replay_endpoint).start()
-            if load_endpoint is not None:
-                self.load_publisher = LoadPublisher(load_endpoint)
-        except BaseException:
-            self._close_publishers()
-            raise
+        self._publishers.open()
         self._state = "running"
         self._tasks = [
             asyncio.create_task(self._run(), name=f"sim-engine {self.worker_id}"),
@@ -184,14 +182,8 @@ class SimEngine:
             await asyncio.wait(self._tasks)
         self._tasks = []
         self._fail_all(EngineUnavailable("the worker is shutting down"))
-        self._publish_events()
-        self._close_publishers()
-
-    def _close_publishers(self) -> None:
-        if self.kv_publisher is not None:
-            self.kv_publisher.close()
-        if self.load_publisher is not None:
-            self.load_publisher.close()
+        self._publishers.publish_events(self.pool.take_events())
+        self._publishers.close()
 
     # -- requests ------------------------------------------------------------------
 
@@ -258,14 +250,11 @@ class SimEngine:
         for request in self._new:
             self.scheduler.add(request)
         self._new.clear()
-        self._publish_events()
+        self._publishers.publish_events(self.pool.take_events())
         self._may_report()
 
     def _deliver(self, results: list[StepResult]) -> None:
-        now = time.monotonic()
-        self._rate.append((now, len(results)))
-        while self._rate and self._rate[0][0] < now - _RATE_WINDOW_S:
-            self._rate.popleft()
+        self._rate.add(len(results))
         for request, token_id, finish_reason in results:
             output = EngineOutput([token_id], finish_reason, request.num_cached_tokens or 0)
             self._streams.push(request.request_id, output)
@@ -277,11 +266,6 @@ class SimEngine:
         self._aborts.clear()
 
     # -- events, load and stats ------------------------------------------------------
-
-    def _publish_events(self) -> None:
-        events = self.pool.take_events()
-        if events and self.kv_publisher is not None:
-            self.kv_publisher.publish(events)
 
     def load_report(self) -> LoadReport:
         return LoadReport(
@@ -297,14 +281,7 @@ class SimEngine:
 
     def _may_report(self, *, force: bool = False) -> None:
         """Publishes a report when load changed (at most every `min_load_interval_s`) or when forced."""
-        if self.load_publisher is None:
-            return
-        report = self.load_report()
-        load = (report.num_running, report.num_waiting, report.num_kv_blocks_used, report.num_prefill_tokens)
-        now = time.monotonic()
-        if force or (load != self._last_load and now - self._last_load_at >= self.config.min_load_interval_s):
-            self.load_publisher.publish(report)
-            self._last_load, self._last_load_at = load, now
+        self._publishers.may_report(self.load_report, force=force)
 
     async def _report_periodically(self) -> None:
         while True:
@@ -313,8 +290,6 @@ class SimEngine:
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
-        since = time.monotonic() - _RATE_WINDOW_S
-        num_recent = sum(n for t, n in self._rate if t >= since)
         return EngineStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting) + len(self._new),
@@ -326,5 +301,5 @@ class SimEngine:
             num_generation_tokens=scheduler.num_generation_tokens,
             num_preemptions=scheduler.num_preemptions,
             num_steps=scheduler.num_steps,
-            generation_tokens_per_s=num_recent / _RATE_WINDOW_S,
+            generation_tokens_per_s=self._rate.per_second(),
         )

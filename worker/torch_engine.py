@@ -27,7 +27,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
@@ -35,13 +34,12 @@ from indexer.load import LoadReport
 from worker.api import EngineUnavailable, GenerateRequest, InvalidRequest, ServedModel
 from worker.engine import EngineOutput, EngineStats, OutputStreams
 from worker.engine_core import EngineCore, RequestRejected
+from worker.engine_io import EnginePublishers, TokenRate
 from worker.kv_publisher import KVEventPublisher, LoadPublisher
 from worker.sampling import SamplingParams, sampling_params
 from worker.scheduler import StepResult
 
 logger = logging.getLogger(__name__)
-
-_RATE_WINDOW_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,19 +82,21 @@ class TorchEngine:
         self.core = core
         self._served = served
         self.worker_id = worker_id
-        self._endpoints = (events_endpoint, replay_endpoint, load_endpoint)
         self._load_interval_s = load_interval_s
-        self._min_load_interval_s = min_load_interval_s
-        self.kv_publisher: KVEventPublisher | None = None
-        self.load_publisher: LoadPublisher | None = None
+        # The idle thread wakes every load interval, so the throttle's own interval keeps reports periodic.
+        self._publishers = EnginePublishers(
+            events_endpoint,
+            replay_endpoint,
+            load_endpoint,
+            min_load_interval_s=min_load_interval_s,
+            load_interval_s=load_interval_s,
+        )
         self._streams = OutputStreams(on_close=self.abort)
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._state = "not started"  # -> running -> stopped, or -> dead if a step failed
-        self._rate: deque[tuple[float, int]] = deque()
-        self._last_load: tuple[int, ...] = ()
-        self._last_load_at = 0.0
+        self._rate = TokenRate()
         self._stats = self._snapshot()
 
     @property
@@ -109,17 +109,17 @@ class TorchEngine:
     def is_alive(self) -> bool:
         return self._state == "running"
 
+    @property
+    def kv_publisher(self) -> KVEventPublisher | None:
+        return self._publishers.kv_publisher
+
+    @property
+    def load_publisher(self) -> LoadPublisher | None:
+        return self._publishers.load_publisher
+
     async def start(self) -> None:
         """Binds the publishers (ZMQ errors raise here) and starts the engine thread."""
-        events_endpoint, replay_endpoint, load_endpoint = self._endpoints
-        try:
-            if events_endpoint is not None:
-                self.kv_publisher = KVEventPublisher(events_endpoint, replay_endpoint).start()
-            if load_endpoint is not None:
-                self.load_publisher = LoadPublisher(load_endpoint)
-        except BaseException:
-            self._close_publishers()
-            raise
+        self._publishers.open()
         self._loop = asyncio.get_running_loop()
         self._state = "running"
         self._thread = threading.Thread(target=self._run, name=f"torch-engine {self.worker_id}", daemon=True)
@@ -138,14 +138,8 @@ class TorchEngine:
         if self._state == "stopped":  # a dead core's state is not trusted
             for request_id in failed:
                 self.core.abort(request_id)
-            self._publish_events()
-        self._close_publishers()
-
-    def _close_publishers(self) -> None:
-        if self.kv_publisher is not None:
-            self.kv_publisher.close()
-        if self.load_publisher is not None:
-            self.load_publisher.close()
+            self._publishers.publish_events(self.core.pool.take_events())
+        self._publishers.close()
 
     # -- requests (event loop) -------------------------------------------------------
 
@@ -186,8 +180,8 @@ class TorchEngine:
                 self._apply_commands(wait=not self.core.has_work())
                 if self.core.has_work() and self._state == "running":
                     self._deliver(self.core.step())
-                self._publish_events()
-                self._may_report()
+                self._publishers.publish_events(self.core.pool.take_events())
+                self._publishers.may_report(self.load_report)
                 self._stats = self._snapshot()
         except Exception:
             logger.exception("torch engine %s failed", self.worker_id)
@@ -213,10 +207,7 @@ class TorchEngine:
         self.core.add_request(command.request_id, command.prompt_token_ids, command.params)
 
     def _deliver(self, results: list[StepResult]) -> None:
-        now = time.monotonic()
-        self._rate.append((now, len(results)))
-        while self._rate and self._rate[0][0] < now - _RATE_WINDOW_S:
-            self._rate.popleft()
+        self._rate.add(len(results))
         if results:
             outputs = [
                 (r.request.request_id, EngineOutput([r.token_id], r.finish_reason, r.request.num_cached_tokens or 0))
@@ -237,11 +228,6 @@ class TorchEngine:
 
     # -- events, load and stats (engine thread) ----------------------------------------
 
-    def _publish_events(self) -> None:
-        events = self.core.pool.take_events()
-        if events and self.kv_publisher is not None:
-            self.kv_publisher.publish(events)
-
     def load_report(self) -> LoadReport:
         scheduler, pool = self.core.scheduler, self.core.pool
         return LoadReport(
@@ -255,21 +241,8 @@ class TorchEngine:
             num_prefill_tokens=scheduler.num_prefill_tokens(),
         )
 
-    def _may_report(self) -> None:
-        """Publishes a report when load changed (at most every min interval) or an interval passed."""
-        if self.load_publisher is None:
-            return
-        report = self.load_report()
-        load = (report.num_running, report.num_waiting, report.num_kv_blocks_used, report.num_prefill_tokens)
-        since = time.monotonic() - self._last_load_at
-        if since >= self._load_interval_s or (load != self._last_load and since >= self._min_load_interval_s):
-            self.load_publisher.publish(report)
-            self._last_load, self._last_load_at = load, time.monotonic()
-
     def _snapshot(self) -> EngineStats:
         scheduler, pool = self.core.scheduler, self.core.pool
-        since = time.monotonic() - _RATE_WINDOW_S
-        num_recent = sum(n for t, n in self._rate if t >= since)
         return EngineStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
@@ -281,5 +254,5 @@ class TorchEngine:
             num_generation_tokens=scheduler.num_generation_tokens,
             num_preemptions=scheduler.num_preemptions,
             num_steps=scheduler.num_steps,
-            generation_tokens_per_s=num_recent / _RATE_WINDOW_S,
+            generation_tokens_per_s=self._rate.per_second(),
         )

@@ -1,0 +1,122 @@
+"""What an engine sends out besides tokens: its KV events, its load reports, its token rate.
+
+Owns `EnginePublishers`, the pair of ZMQ publishers an engine opens from its (events,
+replay, load) endpoints, with the load-report throttle, and `TokenRate`, the sliding
+window behind `EngineStats.generation_tokens_per_s`. `worker.sim.SimEngine` and
+`worker.torch_engine.TorchEngine` each own one of both; nothing else calls them.
+
+Invariants:
+- `open()` binds every configured publisher or none: a bind error closes the ones
+  already bound before it propagates. `close()` is idempotent and safe before `open()`.
+- A load report is built (`make_report()`) only when a load publisher is open. It is
+  sent when forced, when `load_interval_s` (if set) has passed since the last one, or
+  when its `load_key` differs from the last sent one's and `min_load_interval_s` has
+  passed since then.
+- Both classes are used from one thread at a time (the sim's event loop or the torch
+  engine thread); the clock is injectable so tests can drive them exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+from indexer.events import KVEvent
+from indexer.load import LoadReport
+from worker.kv_publisher import KVEventPublisher, LoadPublisher
+
+Clock = Callable[[], float]
+
+RATE_WINDOW_S = 5.0
+
+
+def load_key(report: LoadReport) -> tuple[int, ...]:
+    """The fields of a report whose change makes it worth sending early (not the timestamp)."""
+    return (report.num_running, report.num_waiting, report.num_kv_blocks_used, report.num_prefill_tokens)
+
+
+class EnginePublishers:
+    """An engine's KV event publisher and load publisher (either may be absent)."""
+
+    def __init__(
+        self,
+        events_endpoint: str | None = None,
+        replay_endpoint: str | None = None,
+        load_endpoint: str | None = None,
+        *,
+        min_load_interval_s: float,
+        load_interval_s: float | None = None,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        """`load_interval_s=None`: `may_report` never reports unchanged load on its own,
+        the caller forces a report on its own timer instead (the sim's timer task)."""
+        self._endpoints = (events_endpoint, replay_endpoint, load_endpoint)
+        self._min_load_interval_s = min_load_interval_s
+        self._load_interval_s = load_interval_s
+        self._clock = clock
+        self.kv_publisher: KVEventPublisher | None = None
+        self.load_publisher: LoadPublisher | None = None
+        self._last_load: tuple[int, ...] = ()
+        self._last_load_at = 0.0
+
+    def open(self) -> None:
+        """Binds the configured publishers; ZMQ errors raise here, with nothing left open."""
+        events_endpoint, replay_endpoint, load_endpoint = self._endpoints
+        try:
+            if events_endpoint is not None:
+                self.kv_publisher = KVEventPublisher(events_endpoint, replay_endpoint).start()
+            if load_endpoint is not None:
+                self.load_publisher = LoadPublisher(load_endpoint)
+        except BaseException:
+            self.close()
+            raise
+
+    def publish_events(self, events: list[KVEvent]) -> None:
+        """Publishes one step's KV events (nothing for an empty step or without a publisher)."""
+        if events and self.kv_publisher is not None:
+            self.kv_publisher.publish(events)
+
+    def may_report(self, make_report: Callable[[], LoadReport], *, force: bool = False) -> bool:
+        """Publishes `make_report()` if forced or due (see the module docstring); True if sent."""
+        if self.load_publisher is None:
+            return False
+        report = make_report()
+        load = load_key(report)
+        now = self._clock()
+        since = now - self._last_load_at
+        due = self._load_interval_s is not None and since >= self._load_interval_s
+        changed = load != self._last_load and since >= self._min_load_interval_s
+        if not (force or due or changed):
+            return False
+        self.load_publisher.publish(report)
+        self._last_load, self._last_load_at = load, now
+        return True
+
+    def close(self) -> None:
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
+        if self.load_publisher is not None:
+            self.load_publisher.close()
+
+
+class TokenRate:
+    """Tokens generated per second over the last `window_s` seconds."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S, *, clock: Clock = time.monotonic) -> None:
+        assert window_s > 0, "the rate window must be positive"
+        self._window_s = window_s
+        self._clock = clock
+        self._steps: deque[tuple[float, int]] = deque()  # (when, num_tokens), oldest first
+
+    def add(self, num_tokens: int) -> None:
+        """Records one step's tokens (zero too) and forgets steps older than the window."""
+        now = self._clock()
+        self._steps.append((now, num_tokens))
+        while self._steps and self._steps[0][0] < now - self._window_s:
+            self._steps.popleft()
+
+    def per_second(self) -> float:
+        """Tokens in the window divided by its full length (a young engine reads low)."""
+        since = self._clock() - self._window_s
+        return sum(n for t, n in self._steps if t >= since) / self._window_s
