@@ -19,6 +19,7 @@ Callers: `worker.moe.layer.ExpertParallelMoE`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -62,6 +63,12 @@ def plan_dispatch(
     return pairs[:, 1], pairs[:, 0], send_counts
 
 
+def _recv_hooks(handles: tuple[AllToAllHandle, ...]) -> tuple[Callable[[], object], ...]:
+    # NOTE: `recv_hook` is optional on handles; torch.distributed handles have none.
+    hooks = (getattr(h, "recv_hook", None) for h in handles)
+    return tuple(h for h in hooks if h is not None)
+
+
 class PendingDispatch:
     """A started dispatch; `wait` returns the `DispatchedTokens` this rank received."""
 
@@ -73,6 +80,10 @@ class PendingDispatch:
 
     def is_completed(self) -> bool:
         return all(h.is_completed() for h in self._handles)
+
+    def recv_hooks(self) -> tuple[Callable[[], object], ...]:
+        """The handles' receive hooks (backends that post receives separately), if any."""
+        return _recv_hooks(self._handles)
 
     def wait(self) -> DispatchedTokens:
         hidden, expert_ids, weights = (h.wait() for h in self._handles)
@@ -90,6 +101,10 @@ class PendingCombine:
 
     def is_completed(self) -> bool:
         return self._handle.is_completed()
+
+    def recv_hooks(self) -> tuple[Callable[[], object], ...]:
+        """The handle's receive hook (backends that post receives separately), if any."""
+        return _recv_hooks((self._handle,))
 
     def wait(self) -> torch.Tensor:
         rows = self._handle.wait()

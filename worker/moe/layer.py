@@ -8,7 +8,8 @@ weighted results back onto the tokens' own rank; the shared expert runs while th
 combine is in flight.
 
 The staged methods (`start_dispatch`, `run_experts`, `start_combine`) are public so a
-micro-batch scheduler can interleave two batches; `forward` runs them in order.
+micro-batch scheduler can interleave two batches; `forward` runs them in order,
+with DBO yield points (`worker.moe.ubatch`) after each transfer is started.
 Parameter names match `MoE`'s (`gate.*`, `experts.<global id>.*`, `shared_expert.*`),
 so a full checkpoint loads through `shard_state_dict`.
 
@@ -30,6 +31,7 @@ from worker.models.moe import MoE
 from worker.moe.a2a import AllToAllBackend
 from worker.moe.dispatch import DispatchedTokens, DispatchPlan, ExpertDispatcher, PendingCombine, PendingDispatch
 from worker.moe.placement import ExpertPlacement
+from worker.moe.ubatch import dbo_yield_after_start
 
 
 class ExpertParallelMoE(nn.Module):
@@ -116,8 +118,13 @@ class ExpertParallelMoE(nn.Module):
         return self.dispatcher.combine(expert_out, plan)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = self.start_dispatch(x).wait()
+        # Yield points (no-ops without DBO): the other micro-batch computes while
+        # this one's dispatch, then its combine, is in flight.
+        dispatch = self.start_dispatch(x)
+        dbo_yield_after_start(dispatch)
+        tokens = dispatch.wait()
         pending = self.start_combine(self.run_experts(tokens), tokens.plan)
+        dbo_yield_after_start(pending)
         shared = self.shared_expert(x).float() if self.shared_expert is not None else None
         out = pending.wait()
         if shared is not None:
