@@ -32,10 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,6 +41,7 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
+from worker.moe.launch import launch_local_ranks  # noqa: E402
 WORLD_SIZE = 2
 KEYS = ("compute", "dbo_compute", "plain", "dbo", "comm")
 
@@ -140,40 +138,13 @@ def _rank_main(args: argparse.Namespace) -> None:
 # ---- driver -------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(argv: list[str]) -> dict:
-    port = _free_port()
-    procs = []
-    for rank in range(WORLD_SIZE):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(WORLD_SIZE),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            GLOO_SOCKET_IFNAME="lo",
-            OMP_NUM_THREADS="1",
-        )
-        cmd = [sys.executable, __file__, *argv, "--rank-worker"]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=600))
-    finally:
-        for proc in procs[len(outputs) :]:
-            proc.kill()
-            proc.communicate()
-    for proc, (_, err) in zip(procs, outputs):
-        if proc.returncode != 0:
-            raise SystemExit(f"rank failed:\n{err.decode()}")
+    results = launch_local_ranks([__file__, *argv, "--rank-worker"], WORLD_SIZE, timeout_s=600)
+    for result in results:
+        if result.returncode != 0:
+            raise SystemExit(f"rank {result.rank} failed:\n{result.stderr}")
     # Every rank prints the same (MAX-agreed) figures; rank 0's will do.
-    return json.loads(outputs[0][0].decode().strip().splitlines()[-1])
+    return json.loads(results[0].last_line())
 
 
 def _report(args: argparse.Namespace, r: dict) -> dict:

@@ -11,57 +11,21 @@ and matching the single-rank MoE. Each rank prints one JSON line the test assert
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 
+from worker.moe.launch import launch_local_ranks
+
 ATOL = 1e-5
-REPO_ROOT = Path(__file__).resolve().parents[2]
 WORLD_SIZE = 2
 NUM_SOAK_STEPS = 2000
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch() -> list[dict]:
-    port = _free_port()
-    procs = []
-    for rank in range(WORLD_SIZE):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(WORLD_SIZE),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            GLOO_SOCKET_IFNAME="lo",
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=str(REPO_ROOT),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, __file__], env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-            )
-        )
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=90))
-    finally:
-        # NOTE: a failed rank leaves its peer blocked in a collective; reap them all.
-        for proc in procs[len(outputs) :]:
-            proc.kill()
-            proc.communicate()
-    for proc, (out, err) in zip(procs, outputs):
-        assert proc.returncode == 0, err.decode()
-    return [json.loads(out.decode().strip().splitlines()[-1]) for out, _ in outputs]
+    results = launch_local_ranks([__file__], WORLD_SIZE, timeout_s=90)
+    for result in results:
+        assert result.returncode == 0, result.stderr
+    return [json.loads(result.last_line()) for result in results]
 
 
 def test_dbo_across_two_gloo_ranks() -> None:

@@ -13,55 +13,22 @@ order). Ranks hold different numbers of tokens, one holds none.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from worker.moe.launch import launch_local_ranks
+
 ATOL = 1e-5
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TOKENS_PER_RANK = (5, 0, 3, 9)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(world_size: int, num_experts: int) -> list[dict]:
-    port = _free_port()
-    procs = []
-    for rank in range(world_size):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            GLOO_SOCKET_IFNAME="lo",
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=str(REPO_ROOT),
-        )
-        cmd = [sys.executable, __file__, str(num_experts)]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=60))
-    finally:
-        # NOTE: a rank that fails leaves its peers blocked in a collective; reap them all.
-        for proc in procs[len(outputs) :]:
-            proc.kill()
-            proc.communicate()
-    for proc, (out, err) in zip(procs, outputs):
-        assert proc.returncode == 0, err.decode()
-    results = [json.loads(out.decode().strip().splitlines()[-1]) for out, _ in outputs]
-    return results
+    results = launch_local_ranks([__file__, str(num_experts)], world_size, timeout_s=60)
+    for result in results:
+        assert result.returncode == 0, result.stderr
+    return [json.loads(result.last_line()) for result in results]
 
 
 @pytest.mark.parametrize(("world_size", "num_experts"), [(2, 7), (4, 6)])
