@@ -17,7 +17,6 @@ Invariants:
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -26,6 +25,8 @@ from typing import Annotated
 import msgspec
 import zmq
 import zmq.asyncio
+
+from indexer.background import BackgroundLoop
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class LoadAggregator:
         return self._clock() - received_at > self.max_age_s
 
 
-class LoadSubscriber:
+class LoadSubscriber(BackgroundLoop):
     """An asyncio SUB on one load endpoint that feeds a `LoadAggregator`."""
 
     def __init__(
@@ -132,7 +133,6 @@ class LoadSubscriber:
         self.endpoint = endpoint
         self._topic = topic.encode()
         self._context = context
-        self._task: asyncio.Task[None] | None = None
         self.num_reports = 0
         self.num_malformed = 0
 
@@ -166,17 +166,5 @@ class LoadSubscriber:
         self.num_reports += 1
         self.aggregator.update(report)
 
-    def start(self) -> asyncio.Task[None]:
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self.run(), name=f"load-subscriber {self.endpoint}")
-        return self._task
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is None:
-            return
-        task.cancel()
-        # wait() rather than await: a cancellation of stop() itself still propagates.
-        await asyncio.wait([task])
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("load subscriber %s had failed: %r", self.endpoint, task.exception())
+    def task_name(self) -> str:
+        return f"load-subscriber {self.endpoint}"

@@ -39,6 +39,7 @@ import xxhash
 import zmq
 import zmq.asyncio
 
+from indexer.background import BackgroundLoop
 from indexer.events import END_OF_REPLAY_SEQ, BatchDecoder, EventBatch, MalformedBatch, decode_seq, encode_seq
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class SubscriberStats:
     last_message_at: float | None = None  # time.monotonic() of the last live message
 
 
-class EventSubscriber:
+class EventSubscriber(BackgroundLoop):
     """Feeds one worker events endpoint into a prefix index (see the module docstring)."""
 
     def __init__(
@@ -99,7 +100,6 @@ class EventSubscriber:
         self._context: zmq.asyncio.Context | None = None
         self._decoder = BatchDecoder()
         self._fed: set[WorkerKey] = set()
-        self._task: asyncio.Task[None] | None = None
         self._reconnected = False  # the connection dropped since the last live message
         # seq -> payload digest of batches applied from replay at connect, until the first
         # live message that is not one of them (they may also arrive live, once).
@@ -153,20 +153,8 @@ class EventSubscriber:
             seen = True
         return seen
 
-    def start(self) -> asyncio.Task[None]:
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self.run(), name=f"kv-subscriber {self.worker_id}")
-        return self._task
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is None:
-            return
-        task.cancel()
-        # wait() rather than await: a cancellation of stop() itself still propagates.
-        await asyncio.wait([task])
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("kv subscriber %s had failed: %r", self.worker_id, task.exception())
+    def task_name(self) -> str:
+        return f"kv-subscriber {self.worker_id}"
 
     # -- one live message ----------------------------------------------------------
 
