@@ -50,14 +50,12 @@ from bench.routing_measure import (  # noqa: E402
     Progress,
     bench_rank,
     cache_baselines,
-    load_trace,
-    make_requests,
     policy_figures,
     print_table,
     run_dynamo,
     targets,
 )
-from bench.routing_sim import FleetConfig, SimFleet, TimingModel  # noqa: E402
+from bench.routing_sim import FleetConfig, SimFleet, TimingModel, load_trace, make_requests  # noqa: E402
 from router.policy import POLICY_NAMES, build_policy  # noqa: E402
 
 DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "synthetic_trace.jsonl"

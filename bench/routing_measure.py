@@ -1,4 +1,4 @@
-"""What `bench/routing.py` measures and prints: trace loading, figures, baselines, the
+"""What `bench/routing.py` measures and prints: figures, baselines, the
 router's own cost, Dynamo's replay, targets and the table.
 
 Every figure here is computed from a finished `SimFleet` run or from the trace alone;
@@ -7,7 +7,6 @@ nothing here routes. See `bench/routing.py` for the definitions of each figure.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -15,49 +14,14 @@ import sys
 import time
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
 
-from bench.routing_sim import FleetConfig, SimFleet, SimRequest
+from bench.routing_sim import FleetConfig, SimFleet, SimRequest, TraceEntry
 from indexer.events import BlockStored, EventBatch
 from indexer.hashing import hash_prompt
 from indexer.index import PrefixIndex
 from router.policy import POLICY_NAMES, Candidate, RouteRequest, build_policy, fill_matches, request_hashes
 
 HIT_RATE_TARGET = 0.95  # kv hit rate / shared-cache hit rate
-
-
-@dataclass(frozen=True, slots=True)
-class TraceEntry:
-    arrival_s: float
-    token_ids: array  # the synthesised prompt; shared by every replay (never mutated)
-    num_output_tokens: int
-
-
-def load_trace(path: str, trace_block_size: int, max_requests: int = 0) -> list[TraceEntry]:
-    """The trace's requests with prompts synthesised per hash id (see bench/routing.py)."""
-    entries = []
-    with open(path) as lines:
-        for line in lines:
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            tokens = array("I")
-            for block_id in row["hash_ids"]:
-                start = block_id * trace_block_size
-                tokens.extend(range(start, start + trace_block_size))
-            del tokens[row["input_length"] :]
-            entries.append(TraceEntry(row["timestamp"] / 1000.0, tokens, max(1, row["output_length"])))
-            if max_requests and len(entries) >= max_requests:
-                break
-    entries.sort(key=lambda entry: entry.arrival_s)
-    return entries
-
-
-def make_requests(entries: list[TraceEntry]) -> list[SimRequest]:
-    return [
-        SimRequest(f"req-{i}", entry.arrival_s, entry.token_ids, entry.num_output_tokens)
-        for i, entry in enumerate(entries)
-    ]
 
 
 class Progress:

@@ -1,4 +1,5 @@
-"""A simulated fleet in simulated time: real routing parts, modelled engines.
+"""A simulated fleet in simulated time: real routing parts, modelled engines, and the
+trace workload it replays (Mooncake-format lines, prompts synthesised per hash id).
 
 Used by `bench/routing.py` (trace replay) and by the policy tests. What is real: the
 routing policy objects (`router.policy`), the `LoadTracker`, the `LoadAggregator`, the
@@ -28,6 +29,7 @@ and finishes go back to the tracker and the policy at the simulated time they ha
 from __future__ import annotations
 
 import heapq
+import json
 import math
 import zlib
 from array import array
@@ -377,3 +379,40 @@ class SimFleet:
     def _finish(self, request: SimRequest) -> None:
         self.tracker.on_finish(request.request_id)
         self.policy.on_finish(request.request_id)
+
+
+# ---------------------------------------------------------------------- trace workload
+
+
+@dataclass(frozen=True, slots=True)
+class TraceEntry:
+    arrival_s: float
+    token_ids: array  # the synthesised prompt; shared by every replay (never mutated)
+    num_output_tokens: int
+
+
+def load_trace(path: str, trace_block_size: int, max_requests: int = 0) -> list[TraceEntry]:
+    """The trace's requests with prompts synthesised per hash id (see bench/routing.py)."""
+    entries = []
+    with open(path) as lines:
+        for line in lines:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            tokens = array("I")
+            for block_id in row["hash_ids"]:
+                start = block_id * trace_block_size
+                tokens.extend(range(start, start + trace_block_size))
+            del tokens[row["input_length"] :]
+            entries.append(TraceEntry(row["timestamp"] / 1000.0, tokens, max(1, row["output_length"])))
+            if max_requests and len(entries) >= max_requests:
+                break
+    entries.sort(key=lambda entry: entry.arrival_s)
+    return entries
+
+
+def make_requests(entries: list[TraceEntry]) -> list[SimRequest]:
+    return [
+        SimRequest(f"req-{i}", entry.arrival_s, entry.token_ids, entry.num_output_tokens)
+        for i, entry in enumerate(entries)
+    ]
