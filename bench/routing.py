@@ -35,7 +35,6 @@ Run: `.venv/bin/python bench/routing.py --trace ../shared/traces/synthetic_trace
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -51,7 +50,7 @@ from bench.routing_measure import (  # noqa: E402
     bench_rank,
     cache_baselines,
     policy_figures,
-    print_table,
+    print_report,
     run_dynamo,
     targets,
 )
@@ -157,18 +156,7 @@ def main() -> None:
         },
         "seed": args.seed,
     }
-    print_table(result)
-    print(json.dumps(_rounded(result)))
-
-
-def _rounded(value: object) -> object:
-    if isinstance(value, float):
-        return round(value, 4)
-    if isinstance(value, dict):
-        return {k: _rounded(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_rounded(v) for v in value]
-    return value
+    print_report(result)
 
 
 if __name__ == "__main__":

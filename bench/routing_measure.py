@@ -7,6 +7,7 @@ nothing here routes. See `bench/routing.py` for the definitions of each figure.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
@@ -253,6 +254,22 @@ def targets(result: dict) -> dict:
             "pass": kv["ttft_p99_s"] <= others[best_other],
         }
     return checks
+
+
+def print_report(result: dict) -> None:
+    """The table for people, then the whole result as one JSON line (the last line)."""
+    print_table(result)
+    print(json.dumps(_rounded(result)))
+
+
+def _rounded(value: object) -> object:
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
 
 
 def print_table(result: dict) -> None:
