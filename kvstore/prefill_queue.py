@@ -1,12 +1,14 @@
-"""The global prefill queue contract: one `PrefillQueue` protocol, two implementations.
+"""The global prefill queue contract: one `PrefillQueue` protocol, three implementations.
 
 Owns the protocol, its configuration (`QueueConfig`), its counters (`QueueCounters`)
 and its boundary error (`QueueUnavailable`). The implementations are
-`kvstore.redis_queue.RedisPrefillQueue` (Redis Streams, shared by a fleet) and
-`kvstore.memory_queue.MemoryPrefillQueue` (in-process, for `kvgate up` without Redis);
-`open_prefill_queue()` picks one from a URL.
+`kvstore.redis_queue.RedisPrefillQueue` (Redis Streams, shared by a fleet),
+`kvstore.memory_queue.MemoryPrefillQueue` (in-process, for `kvgate up` without Redis)
+and `kvstore.http_queue.HttpPrefillQueue` (a worker process's handle on a queue that
+another process serves over HTTP with `kvstore.queue_server.QueueServer`, as `kvgate up`
+does with its in-process one); `open_prefill_queue()` picks one from a URL.
 
-The contract both keep (tests/integration/test_prefill_queue.py checks it on both):
+The contract all three keep (tests/integration/test_prefill_queue.py checks it on each):
 - One queue per model; jobs are delivered oldest first to one consumer of the
   prefill-worker group at a time.
 - `enqueue` returns False, and stores nothing, when the same (model, request id) was
@@ -125,14 +127,26 @@ class PrefillQueue(Protocol):
         ...
 
 
-def open_prefill_queue(redis_url: str | None, config: QueueConfig | None = None) -> PrefillQueue:
-    """A Redis queue for `redis_url`, or the in-process one when it is None or empty."""
+def open_prefill_queue(
+    url: str | None, config: QueueConfig | None = None, *, token: str | None = None
+) -> PrefillQueue:
+    """The queue that `url` names.
+
+    None or empty: the in-process queue. `http://` or `https://`: the queue another
+    process serves with `kvstore.queue_server.QueueServer`, reached with
+    `kvstore.http_queue.HttpPrefillQueue` and `token` as its bearer token (used by
+    HTTP URLs only). Anything else (`redis://`, `rediss://`, `unix://`): Redis.
+    """
     config = config or QueueConfig()
-    # Imported here: both implementations import this module for the protocol's types.
-    if not redis_url:
+    # Imported here: the implementations import this module for the protocol's types.
+    if not url:
         from kvstore.memory_queue import MemoryPrefillQueue
 
         return MemoryPrefillQueue(config)
+    if url.startswith(("http://", "https://")):
+        from kvstore.http_queue import HttpPrefillQueue
+
+        return HttpPrefillQueue(url, config, token=token)
     from kvstore.redis_queue import RedisPrefillQueue
 
-    return RedisPrefillQueue(redis_url, config)
+    return RedisPrefillQueue(url, config)

@@ -1,9 +1,11 @@
-"""The prefill queue contract, checked on both implementations, plus Redis faults.
+"""The prefill queue contract, checked on every implementation, plus faults.
 
-The conformance tests run once on `MemoryPrefillQueue` and once on
-`RedisPrefillQueue` against the real Redis at $KVGATE_REDIS_URL (set by `make test`),
-each under its own key prefix, deleted afterwards; they fail if Redis does not answer.
-The fault tests start their own `redis-server` on a free port and kill it.
+The conformance tests run on `MemoryPrefillQueue`, on `RedisPrefillQueue` against the
+real Redis at $KVGATE_REDIS_URL (set by `make test`), each under its own key prefix,
+deleted afterwards (they fail if Redis does not answer), and on `HttpPrefillQueue`
+reaching a `MemoryPrefillQueue` served by a real `QueueServer` on a free port.
+The Redis fault tests start their own `redis-server` on a free port and kill it; the
+HTTP fault tests stop and restart the `QueueServer`.
 """
 
 from __future__ import annotations
@@ -18,12 +20,16 @@ import time
 import uuid
 from pathlib import Path
 
+import aiohttp
+import msgspec
 import pytest
 import redis.asyncio as redis
 
+from kvstore.http_queue import HttpPrefillQueue
 from kvstore.memory_queue import MemoryPrefillQueue
 from kvstore.prefill_job import PrefillJob
 from kvstore.prefill_queue import PrefillQueue, QueueConfig, QueueUnavailable, open_prefill_queue
+from kvstore.queue_server import QueueServer
 from kvstore.redis_queue import RedisPrefillQueue
 
 REDIS_URL = os.environ.get("KVGATE_REDIS_URL", "redis://127.0.0.1:6379")
@@ -48,18 +54,22 @@ def make_job(request_id: str, model: str = MODEL, deadline_in_s: float = 60.0) -
     )
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "http"])
 async def make_queue(request):
     prefix = f"kvgate-test-{uuid.uuid4().hex}"
     queues: list[PrefillQueue] = []
+    servers: list[QueueServer] = []
 
     async def make(**overrides) -> PrefillQueue:
         config = QueueConfig(key_prefix=prefix, **{**FAST, **overrides})
         queue: PrefillQueue
         if request.param == "memory":
             queue = MemoryPrefillQueue(config)
-        else:
+        elif request.param == "redis":
             queue = RedisPrefillQueue(REDIS_URL, config)
+        else:
+            servers.append(QueueServer(MemoryPrefillQueue(config)))
+            queue = HttpPrefillQueue(await servers[-1].start(), config)
         queues.append(queue)
         await queue.start()
         assert queue.is_available, f"no Redis answers at {REDIS_URL} (set KVGATE_REDIS_URL)"
@@ -68,6 +78,8 @@ async def make_queue(request):
     yield make
     for queue in queues:
         await queue.close()
+    for server in servers:
+        await server.stop()
     if request.param == "redis":
         client = redis.Redis.from_url(REDIS_URL)
         try:
@@ -257,6 +269,8 @@ async def test_undecodable_redis_entry_is_dead_lettered_with_the_reason():
 def test_open_prefill_queue_picks_the_implementation():
     assert isinstance(open_prefill_queue(None), MemoryPrefillQueue)
     assert isinstance(open_prefill_queue(REDIS_URL), RedisPrefillQueue)
+    assert isinstance(open_prefill_queue("http://127.0.0.1:8901", token="t"), HttpPrefillQueue)
+    assert isinstance(open_prefill_queue("https://queue.internal"), HttpPrefillQueue)
 
 
 def test_config_names_the_bad_field():
@@ -400,3 +414,224 @@ async def test_redis_without_persistence_restarts_empty_and_queue_works_again(re
         assert await drain(queue) == ["r0"]
     finally:
         await queue.close()
+
+
+# --- faults: the queue served over HTTP ---------------------------------------------
+
+QUEUE_ROUTES = "/v1/prefill-queue"
+
+
+@pytest.fixture
+async def served():
+    """A `MemoryPrefillQueue` behind a `QueueServer`; the servers and clients made are closed."""
+    servers: list[QueueServer] = []
+    clients: list[HttpPrefillQueue] = []
+
+    async def serve(queue: MemoryPrefillQueue, port: int = 0, token: str | None = None) -> QueueServer:
+        servers.append(QueueServer(queue, port=port, token=token))
+        await servers[-1].start()
+        return servers[-1]
+
+    async def connect(url: str, token: str | None = None) -> HttpPrefillQueue:
+        clients.append(HttpPrefillQueue(url, QueueConfig(**FAULT_CONFIG), token=token))
+        await clients[-1].start()
+        return clients[-1]
+
+    yield serve, connect
+    for client in clients:
+        await client.close()
+    for server in servers:
+        await server.stop()
+
+
+async def post(url: str, op: str, body: bytes, token: str | None = None) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}{QUEUE_ROUTES}/{op}", data=body, headers=headers) as response:
+            return response.status, await response.json()
+
+
+async def test_http_queue_without_server_raises_fast_and_start_does_not(served):
+    _, connect = served
+    queue = await connect(f"http://127.0.0.1:{free_port()}")
+    assert not queue.is_available
+    await assert_unavailable_fast(queue)
+    assert queue.counters.num_unavailable == 3
+
+
+async def test_http_queue_gives_up_within_op_timeout_on_a_silent_server(served):
+    serve, connect = served
+    # A socket that accepts connections (in the kernel's backlog) and never answers.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        started = time.monotonic()
+        queue = await connect(f"http://127.0.0.1:{silent.getsockname()[1]}")
+        assert 0.3 <= time.monotonic() - started < 0.5
+        assert not queue.is_available
+        with pytest.raises(QueueUnavailable, match=r"\(no answer within 0.3 s\); probing it in the background"):
+            await queue.depth(MODEL)
+
+    class StuckDepth(MemoryPrefillQueue):
+        async def depth(self, model: str) -> int:
+            await asyncio.Event().wait()
+            return 0
+
+    server = await serve(StuckDepth())
+    queue = await connect(server.url)
+    started = time.monotonic()
+    with pytest.raises(QueueUnavailable, match="depth: no answer within 0.3 s"):
+        await queue.depth(MODEL)
+    assert 0.3 <= time.monotonic() - started < 0.5
+    assert not queue.is_available
+    await wait_available(queue)  # /health still answers: the server is back at once
+    assert await queue.enqueue(make_job("r1")) is True
+
+
+async def test_http_queue_server_stopped_and_restarted_on_the_same_port(served):
+    serve, connect = served
+    memory = MemoryPrefillQueue(QueueConfig(**FAULT_CONFIG))
+    server = await serve(memory)
+    queue = await connect(server.url)
+    for i in range(3):
+        assert await queue.enqueue(make_job(f"r{i}"))
+    in_flight = await queue.claim(MODEL, "w0", timeout_s=0)
+    assert in_flight is not None and in_flight.job.request_id == "r0"
+    # A claim long-polling on an empty queue is ended by the stop, not left hanging.
+    blocked = asyncio.create_task(queue.claim("idle-model", "w1", timeout_s=5.0))
+    await asyncio.sleep(0.05)
+    await server.stop()
+    with pytest.raises(QueueUnavailable):
+        await asyncio.wait_for(blocked, 1.0)
+    assert not queue.is_available
+    await assert_unavailable_fast(queue)
+    await serve(memory, port=int(server.url.rsplit(":", 1)[1]))
+    await wait_available(queue)
+    # The served queue kept everything: jobs, the pending claim, the dedupe window.
+    assert await queue.depth(MODEL) == 3
+    assert await queue.enqueue(make_job("r1")) is False
+    assert await drain(queue, "w1") == ["r1", "r2"]
+    assert await queue.ack(in_flight) is True
+    assert await queue.depth(MODEL) == 0
+    assert queue.counters.num_unavailable == 4  # the blocked claim and the three above
+
+
+async def test_http_queue_needs_the_servers_token(served):
+    serve, connect = served
+    server = await serve(MemoryPrefillQueue(), token="s3cret")
+    for token in (None, "wrong"):
+        queue = await connect(server.url, token=token)
+        assert not queue.is_available
+        expected = r"\(the server rejected the bearer token: missing or wrong bearer token for the prefill queue\)"
+        with pytest.raises(QueueUnavailable, match=expected):
+            await queue.enqueue(make_job("r1"))
+    queue = await connect(server.url, token="s3cret")
+    assert queue.is_available
+    assert await queue.enqueue(make_job("r1")) is True
+    status, body = await post(server.url, "depth", b"\x81\xa5model\xa1m", token="wrong")
+    assert (status, body) == (
+        401,
+        {
+            "error": {
+                "message": "missing or wrong bearer token for the prefill queue",
+                "type": "authentication_error",
+                "param": None,
+                "code": "invalid_api_key",
+            }
+        },
+    )
+
+
+async def test_http_queue_server_answers_bad_bodies_with_400(served):
+    serve, _ = served
+    memory = MemoryPrefillQueue()
+    server = await serve(memory)
+    status, body = await post(server.url, "enqueue", b"\xc1 not msgpack")
+    assert status == 400
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["message"].startswith("bad enqueue request (a msgpack EnqueueRequest is expected): ")
+    status, body = await post(server.url, "enqueue", msgspec.msgpack.encode({"job": b"\x93junk"}))
+    assert (status, body["error"]["code"]) == (400, "bad_job")
+    claim = {"model": MODEL, "consumer": "w0", "timeout_s": -1.0}
+    status, body = await post(server.url, "claim", msgspec.msgpack.encode(claim))
+    assert status == 400 and body["error"]["message"].endswith("Expected `float` >= 0.0 - at `$.timeout_s`")
+    status, body = await post(server.url, "claim", msgspec.msgpack.encode({"model": MODEL, "timeout_s": 1}))
+    assert status == 400 and body["error"]["message"].endswith("Object missing required field `consumer`")
+    status, body = await post(server.url, "no-such-op", b"")
+    assert (status, body["error"]["type"]) == (404, "invalid_request_error")
+    assert await memory.depth(MODEL) == 0
+
+
+async def test_http_queue_follows_the_availability_of_the_served_queue(served):
+    serve, connect = served
+    memory = MemoryPrefillQueue()
+    server = await serve(memory)
+    queue = await connect(server.url)
+    await memory.close()
+    expected = "claim: 503 prefill queue unavailable: the served prefill queue is closed"
+    with pytest.raises(QueueUnavailable, match=expected):
+        await queue.claim(MODEL, "w0", timeout_s=0)
+    assert not queue.is_available
+    claim = msgspec.msgpack.encode({"model": MODEL, "consumer": "w0", "timeout_s": 0})
+    status, body = await post(server.url, "claim", claim)
+    assert (status, body["error"]["type"]) == (503, "queue_unavailable")
+    await asyncio.sleep(0.2)
+    assert not queue.is_available  # /health answers 503 while the served queue is down
+    await memory.start()
+    await wait_available(queue)
+    assert await queue.enqueue(make_job("r1")) is True
+    await queue.close()
+    with pytest.raises(QueueUnavailable, match="is closed"):
+        await queue.depth(MODEL)
+
+
+async def test_http_claim_whose_client_vanishes_loses_no_job(served):
+    serve, connect = served
+    memory = MemoryPrefillQueue(QueueConfig(**{**FAULT_CONFIG, "idle_timeout_s": 0.2}))
+    server = await serve(memory)
+    queue = await connect(server.url)
+    # A long poll abandoned while it waits takes nothing.
+    waiting = asyncio.create_task(queue.claim(MODEL, "gone", timeout_s=5.0))
+    await asyncio.sleep(0.05)
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    await asyncio.sleep(0.05)
+    await queue.enqueue(make_job("r1"))
+    first = await queue.claim(MODEL, "w1", timeout_s=1.0)
+    assert first is not None and (first.job.request_id, first.num_deliveries) == ("r1", 1)
+    assert await queue.ack(first)
+    # A claim answered to a client that dies before reading the answer.
+    await queue.enqueue(make_job("r2"))
+    host, port = server.url.removeprefix("http://").split(":")
+    request = msgspec.msgpack.encode({"model": MODEL, "consumer": "gone", "timeout_s": 0})
+    with socket.create_connection((host, int(port))) as conn:
+        head = f"POST {QUEUE_ROUTES}/claim HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(request)}\r\n\r\n"
+        conn.sendall(head.encode() + request)
+        while memory.counters.num_delivered < 2:
+            await asyncio.sleep(0.01)
+    started = time.monotonic()
+    second = await queue.claim(MODEL, "w1", timeout_s=1.0)
+    assert second is not None
+    assert (second.job.request_id, second.consumer, second.num_deliveries) == ("r2", "w1", 2)
+    assert time.monotonic() - started >= 0.15  # it came back once idle for the timeout
+    assert await queue.ack(second)
+    assert await memory.depth(MODEL) == 0
+
+
+async def test_http_claim_longer_than_the_server_cap_is_split(served, monkeypatch):
+    import kvstore.http_queue
+    import kvstore.queue_server
+
+    monkeypatch.setattr(kvstore.queue_server, "MAX_CLAIM_WAIT_S", 0.2)
+    monkeypatch.setattr(kvstore.http_queue, "MAX_CLAIM_WAIT_S", 0.2)
+    serve, connect = served
+    server = await serve(MemoryPrefillQueue())
+    queue = await connect(server.url)
+    started = time.monotonic()
+    assert await queue.claim(MODEL, "w0", timeout_s=0.5) is None
+    assert 0.5 <= time.monotonic() - started < 0.8
+    waiter = asyncio.create_task(queue.claim(MODEL, "w0", timeout_s=2.0))
+    await asyncio.sleep(0.5)  # past two server-side long polls
+    await queue.enqueue(make_job("r1"))
+    claimed = await asyncio.wait_for(waiter, 1.0)
+    assert claimed is not None and claimed.job.request_id == "r1"
