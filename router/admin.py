@@ -8,14 +8,19 @@ middleware renders its errors as OpenAI JSON too):
   heartbeating), `GET|DELETE /admin/workers/{id}`, `POST /admin/workers/{id}/drain`
   (body `{"draining": false}` undrains);
 - `GET /admin/config`, `PATCH /admin/config` (`policy`, `policy_config` with any
-  weights and thresholds of `PolicyConfig`, `max_retries`, `max_concurrent_requests`):
-  validated as a whole, then applied at once, for the next request;
+  weights and thresholds of `PolicyConfig`, `max_retries`, `max_concurrent_requests`,
+  and the disaggregation thresholds `max_local_prefill_tokens`,
+  `max_prefill_queue_depth`): validated as a whole, then applied at once, for the
+  next request;
 - `GET /admin/stats`: per worker health, load (reported and predicted), requests,
-  prefix hit rate, index blocks and KV event counters;
+  prefix hit rate, index blocks and KV event counters; the prefill queue as the
+  router sees it (available, depth per model with a prefill worker);
 - `POST /admin/route`: a completions or chat body (told apart by `messages`), routed
   exactly as the real route would but sent nowhere: the chosen worker and every
-  candidate's matched blocks, load, scores and score. Nothing is dispatched, so no
-  load, counter or metric changes; a policy's own rotation or random draws (round
+  candidate's matched blocks, load, scores and score, and under `disagg` the prefill
+  decision for the chosen worker (`router.disagg`: `prefill`, `reason`,
+  `uncached_tokens`, `queue_depth`). Nothing is dispatched, so no load, counter,
+  queue depth or metric changes; a policy's own rotation or random draws (round
   robin, tie-breaks) advance as for any ranking.
 
 With an admin token configured, every endpoint wants `Authorization: Bearer <token>`
@@ -39,7 +44,8 @@ from router.registry import Worker
 from router.requests import CHAT, COMPLETIONS, decode_object, parse_request
 from router.worker_spec import SpecError, spec_from_dict
 
-_CONFIG_KEYS = frozenset({"policy", "policy_config", "max_retries", "max_concurrent_requests"})
+_DISAGG_KEYS = ("max_local_prefill_tokens", "max_prefill_queue_depth")
+_CONFIG_KEYS = frozenset({"policy", "policy_config", "max_retries", "max_concurrent_requests", *_DISAGG_KEYS})
 
 
 def build_admin_app(token: str | None) -> web.Application:
@@ -146,6 +152,9 @@ def _config_view(gateway: Gateway) -> dict[str, Any]:
         "pipeline": gateway.core.policy.describe(),
         "max_retries": gateway.forwarder.config.max_retries,
         "max_concurrent_requests": gateway.max_concurrent_requests,
+        "disagg_active": gateway.disagg.is_enabled,
+        "max_local_prefill_tokens": gateway.disagg.max_local_prefill_tokens,
+        "max_prefill_queue_depth": gateway.disagg.max_prefill_queue_depth,
     }
 
 
@@ -161,6 +170,7 @@ async def patch_config(request: web.Request) -> web.Response:
         raise BadRequest(f"unknown config key {unknown[0]!r} (known: {', '.join(sorted(_CONFIG_KEYS))})", param=unknown[0])
     max_retries = _optional_int(body, "max_retries", 0)
     max_concurrent = _optional_int(body, "max_concurrent_requests", 1)
+    thresholds = {name: value for name in _DISAGG_KEYS if (value := _optional_int(body, name, 0)) is not None}
     current = gateway.core.policy
     name = body.get("policy", current.name)
     changes = body.get("policy_config") or {}
@@ -180,6 +190,8 @@ async def patch_config(request: web.Request) -> web.Response:
         gateway.forwarder.config = dataclasses.replace(gateway.forwarder.config, max_retries=max_retries)
     if max_concurrent is not None:
         gateway.max_concurrent_requests = max_concurrent
+    for name, value in thresholds.items():
+        setattr(gateway.disagg, name, value)
     return web.json_response(_config_view(gateway))
 
 
@@ -239,8 +251,18 @@ async def stats(request: web.Request) -> web.Response:
         "num_in_flight": gateway.num_in_flight,
         "prefix_hit_rate": metrics.num_matched_blocks / total if total else 0.0,
         "index": {str(size): index.stats().num_blocks for size, index in registry.indexes.items()},
+        "prefill_queue": _prefill_queue_view(gateway),
         "workers": workers,
     })
+
+
+def _prefill_queue_view(gateway: Gateway) -> dict[str, Any]:
+    monitor = gateway.prefill_monitor
+    if monitor is None:
+        return {"configured": False, "available": False, "depths": {}}
+    disagg = gateway.disagg
+    return {"configured": True, "available": monitor.is_available,
+            "depths": {model: disagg.queue_depth(model) for model in sorted(disagg.polled_depths())}}
 
 
 async def dry_run_route(request: web.Request) -> web.Response:
@@ -250,6 +272,7 @@ async def dry_run_route(request: web.Request) -> web.Response:
     parsed = parse_request(raw, kind, gateway.tokenizer, gateway.limits, forward_token_ids=False)
     decision = gateway.core.route(parsed, gateway.next_request_id())
     chosen = decision.ranked[0]
+    prefill = gateway.disagg.decide(decision.request, chosen, decision.candidates)
     ranks = {id(candidate): position for position, candidate in enumerate(decision.ranked)}
     candidates = sorted(decision.candidates, key=lambda c: ranks.get(id(c), len(ranks)))
     return web.json_response({
@@ -260,6 +283,7 @@ async def dry_run_route(request: web.Request) -> web.Response:
         "num_prompt_tokens": decision.request.num_prompt_tokens,
         "num_prompt_blocks": {str(size): len(h) for size, h in decision.request.hashes_by_block_size.items()},
         "ranked": [candidate.worker_id for candidate in decision.ranked],
+        "disagg": prefill.describe(),
         "candidates": [_candidate_view(c, ranks.get(id(c))) for c in candidates],
     })
 

@@ -1,9 +1,13 @@
 """The gateway's aiohttp application: its factory, its lifecycle and the OpenAI-facing routes.
 
-Owns `build_app(config)`: validates the whole `GatewayConfig` up front (tokenizer,
-policy, limits), and opens every resource in one `cleanup_ctx` (the `Gateway` state of
-`router.gateway`: registry with its health probes and ZMQ feeds, the upstream
-connection pool, static workers) so that closing the app closes everything. Routes:
+Owns `build_app(config, prefill_queue=None)`: validates the whole `GatewayConfig` up
+front (tokenizer, policy, limits, disaggregation), and opens every resource in one
+`cleanup_ctx` (the `Gateway` state of `router.gateway`: registry with its health
+probes and ZMQ feeds, the upstream connection pool, static workers, the prefill queue
+and its depth poller) so that closing the app closes everything. A caller that hosts
+its own prefill queue (`kvgate up`'s in-process one) passes it, started, as
+`prefill_queue`: the app uses it but never starts or closes it; a queue the app opens
+from `DisaggConfig.prefill_queue_url` it starts and closes itself. Routes:
 `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
 `GET /ready`, `GET /metrics`, and the admin API under `/admin` (`router.admin`).
 
@@ -24,11 +28,13 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from indexer.tokenizer import Tokenizer, load_tokenizer
+from kvstore.prefill_queue import PrefillQueue
 from router.admin import build_admin_app
 from router.errors import GatewayError, NoEligibleWorker, RateLimited, error_middleware
 from router.gateway import CONFIG, GATEWAY, Gateway, GatewayConfig
 from router.metrics import CONTENT_TYPE
 from router.policy import Policy, build_policy
+from router.policy.filters.role import SERVING_ROLES
 from router.policy.config import load_config
 from router.proxy import CLIENT_GONE
 from router.requests import CHAT, COMPLETIONS, parse_request
@@ -37,13 +43,21 @@ from router.requests import CHAT, COMPLETIONS, parse_request
 OPENAI_ROUTES = {COMPLETIONS: "/v1/completions", CHAT: "/v1/chat/completions"}
 
 
-def build_app(config: GatewayConfig) -> web.Application:
-    """The router app; invalid config raises here (ValueError subclasses naming the field)."""
+def build_app(config: GatewayConfig, prefill_queue: PrefillQueue | None = None) -> web.Application:
+    """The router app; invalid config raises here (ValueError subclasses naming the field).
+
+    Disaggregation is active when `config.disagg.prefill_queue_url` is set or
+    `prefill_queue` (already started, owned by the caller) is given; not both.
+    """
+    if prefill_queue is not None and not isinstance(prefill_queue, PrefillQueue):
+        raise TypeError(f"prefill_queue must be a PrefillQueue, not {type(prefill_queue).__name__}")
+    if prefill_queue is not None and config.disagg.prefill_queue_url:
+        raise ValueError("prefill_queue_url: set a prefill queue URL or hand in a queue, not both")
     tokenizer = load_tokenizer(config.tokenizer)
     policy = build_policy(config.policy, load_config(config.policy_config))
     app = web.Application(middlewares=[error_middleware], client_max_size=config.limits.max_body_bytes)
     app[CONFIG] = config
-    app.cleanup_ctx.append(_gateway_ctx(tokenizer, policy))
+    app.cleanup_ctx.append(_gateway_ctx(tokenizer, policy, prefill_queue))
     app.router.add_post(OPENAI_ROUTES[COMPLETIONS], completions)
     app.router.add_post(OPENAI_ROUTES[CHAT], chat_completions)
     app.router.add_get("/v1/models", models)
@@ -54,13 +68,14 @@ def build_app(config: GatewayConfig) -> web.Application:
     return app
 
 
-def _gateway_ctx(tokenizer: Tokenizer, policy: Policy):  # noqa: ANN202 - aiohttp's cleanup_ctx shape
+def _gateway_ctx(tokenizer: Tokenizer, policy: Policy, prefill_queue: PrefillQueue | None):  # noqa: ANN202
     async def context(app: web.Application) -> AsyncIterator[None]:
-        gateway = Gateway(app[CONFIG], tokenizer, policy)
+        gateway = Gateway(app[CONFIG], tokenizer, policy, prefill_queue)
         app[GATEWAY] = gateway
         try:
             for spec in app[CONFIG].workers:
                 await gateway.registry.add(spec)
+            await gateway.start()
             yield
         finally:
             await gateway.close()
@@ -131,12 +146,16 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    """200 while the router runs; an unreachable prefill queue only makes prefill local."""
+    monitor = request.app[GATEWAY].prefill_monitor
+    queue = {"configured": monitor is not None, "available": monitor is not None and monitor.is_available}
+    return web.json_response({"status": "ok", "prefill_queue": queue})
 
 
 async def ready(request: web.Request) -> web.Response:
-    """200 once some worker is in rotation: a load balancer may send traffic here."""
-    num_eligible = len(request.app[GATEWAY].registry.eligible())
+    """200 once some worker that answers clients is in rotation: a load balancer may send traffic here."""
+    # NOTE: prefill-only workers never answer a client (the `role` filter), so they do not count.
+    num_eligible = sum(1 for w in request.app[GATEWAY].registry.eligible() if w.spec.role in SERVING_ROLES)
     if not num_eligible:
         raise NoEligibleWorker("no worker is in rotation yet")
     return web.json_response({"status": "ready", "num_eligible_workers": num_eligible})

@@ -1,10 +1,13 @@
 """One router app's live state: the validated config and every object a request touches.
 
 Owns `GatewayConfig` (all that `kvgate router` configures) and `Gateway`, built inside
-the app's cleanup context (`router.app`) because its registry, probes, feeds and
-upstream session need the running loop; `Gateway.close()` releases them all. Handlers
-reach it through the typed `GATEWAY` app key (the admin sub-app through
-`request.config_dict`).
+the app's cleanup context (`router.app`) because its registry, probes, feeds,
+upstream session and prefill queue poller need the running loop; `Gateway.start()`
+starts the poller, `Gateway.close()` releases them all. Handlers reach it through the
+typed `GATEWAY` app key (the admin sub-app through `request.config_dict`).
+
+Disaggregation (`router.disagg`) is active when the gateway has a prefill queue: one
+it opened from `DisaggConfig.prefill_queue_url`, or one its caller handed in.
 
 Invariants: `num_in_flight` counts requests between admission and their last byte;
 request ids are unique within the process (the load tracker keys on them).
@@ -21,13 +24,16 @@ from aiohttp import web
 
 from indexer.load import LoadAggregator, LoadReport
 from indexer.tokenizer import Tokenizer
+from kvstore.prefill_queue import PrefillQueue, open_prefill_queue
 from router.breaker import BreakerConfig
+from router.disagg import DisaggConfig, PrefillDecider
 from router.errors import Unauthorized
 from router.health import HealthConfig
 from router.load_tracker import LoadTracker
 from router.metrics import GatewayMetrics
 from router.policy import Policy
 from router.policy.config import PolicyConfig
+from router.prefill_poller import PrefillQueueMonitor
 from router.proxy import Forwarder, ProxyConfig
 from router.registry import WorkerRegistry
 from router.requests import RequestLimits
@@ -48,6 +54,7 @@ class GatewayConfig:
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
     max_concurrent_requests: int = 4096
     api_keys: tuple[str, ...] = ()
     admin_token: str | None = None
@@ -80,7 +87,9 @@ class TrackedAggregator(LoadAggregator):
 class Gateway:
     """The live state of one app, built in its cleanup context (see the module docstring)."""
 
-    def __init__(self, config: GatewayConfig, tokenizer: Tokenizer, policy: Policy) -> None:
+    def __init__(
+        self, config: GatewayConfig, tokenizer: Tokenizer, policy: Policy, prefill_queue: PrefillQueue | None = None
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.limits = config.limits
@@ -93,14 +102,31 @@ class Gateway:
             replay_timeout_s=config.replay_timeout_s, expiry_s=config.worker_expiry_s,
         )
         self.num_in_flight = 0
-        self.metrics = GatewayMetrics(self.registry, lambda: self.num_in_flight)
-        self.core = RoutingCore(self.registry, self.aggregator, self.tracker, policy, self.metrics)
+        self.disagg = PrefillDecider(
+            config.disagg, is_enabled=prefill_queue is not None or bool(config.disagg.prefill_queue_url)
+        )
+        self.prefill_monitor = self._prefill_monitor(config.disagg, prefill_queue)
+        self.metrics = GatewayMetrics(self.registry, lambda: self.num_in_flight, self.prefill_monitor)
+        self.core = RoutingCore(self.registry, self.aggregator, self.tracker, policy, self.metrics, self.disagg)
         self.pool = UpstreamPool(config.proxy.connect_timeout_s, config.proxy.read_timeout_s)
         self.forwarder = Forwarder(self.pool, config.proxy, self.metrics)
         self.started_at = int(time.time())
         self._authorized = frozenset(f"Bearer {key}" for key in config.api_keys)
         self._request_ids = itertools.count()
         self._request_prefix = f"kvg-{os.getpid():x}-{self.started_at:x}-"
+
+    def _prefill_monitor(self, config: DisaggConfig, injected: PrefillQueue | None) -> PrefillQueueMonitor | None:
+        if injected is not None:
+            return PrefillQueueMonitor(injected, self.disagg, self.registry, config.poll_interval_s, owns_queue=False)
+        if not config.prefill_queue_url:
+            return None
+        queue = open_prefill_queue(config.prefill_queue_url, token=config.prefill_queue_token)
+        return PrefillQueueMonitor(queue, self.disagg, self.registry, config.poll_interval_s, owns_queue=True)
+
+    async def start(self) -> None:
+        """Starts what needs the gateway built first (the prefill queue poller)."""
+        if self.prefill_monitor is not None:
+            await self.prefill_monitor.start()
 
     def authorize(self, request: web.Request) -> None:
         if self._authorized and request.headers.get("Authorization") not in self._authorized:
@@ -110,6 +136,8 @@ class Gateway:
         return self._request_prefix + str(next(self._request_ids))
 
     async def close(self) -> None:
+        if self.prefill_monitor is not None:
+            await self.prefill_monitor.close()
         await self.registry.close()
         await self.pool.close()
 

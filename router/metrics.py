@@ -2,10 +2,13 @@
 
 Owns every metric `GET /metrics` shows. Event metrics (requests by route and status,
 router overhead, TTFT, request duration, routing decisions by policy and worker,
-prefix blocks, retries, upstream errors) are updated by the handlers and the proxy
-through `GatewayMetrics`. Everything that is state rather than an event (worker health
-and load, index size, KV event counters, in-flight requests) is read from the registry
-at scrape time, so it costs nothing per request and can never drift from the truth.
+prefix blocks, retries, upstream errors, prefill decisions) are updated by the
+handlers, the routing core and the proxy through `GatewayMetrics`. Everything that is
+state rather than an event (worker health and load, index size, KV event counters,
+in-flight requests) is read from the registry at scrape time, so it costs nothing per
+request and can never drift from the truth; so is the prefill queue's state (depth
+per model, availability, outages), read from its
+`router.prefill_poller.PrefillQueueMonitor` when disaggregation is active.
 
 NOTE: the event metrics are plain ints and lists, not prometheus_client children: an
 update is a dict lookup and an increment, with none of the locks prometheus_client
@@ -21,12 +24,16 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from router.registry import EVENT_COUNTERS, WorkerRegistry
+
+if TYPE_CHECKING:
+    from router.prefill_poller import PrefillQueueMonitor
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _FAST_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
@@ -84,7 +91,10 @@ class RouteMetrics:
 class GatewayMetrics:
     """See the module docstring."""
 
-    def __init__(self, registry: WorkerRegistry, num_in_flight: Callable[[], int]) -> None:
+    def __init__(
+        self, registry: WorkerRegistry, num_in_flight: Callable[[], int],
+        prefill_monitor: PrefillQueueMonitor | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.routes: dict[str, RouteMetrics] = {}  # route -> its counts and durations
         self.overhead = _Histogram(_FAST_BUCKETS)
@@ -92,10 +102,13 @@ class GatewayMetrics:
         self.decisions: dict[tuple[str, str], int] = {}  # (policy, worker) -> count
         self.retries: dict[str, int] = {}  # reason -> count
         self.upstream_errors: dict[tuple[str, str], int] = {}  # (worker, kind) -> count
+        self.prefill_decisions: dict[tuple[str, str], int] = {}  # (remote|local, reason) -> count
         self.num_matched_blocks = 0
         self.num_prompt_blocks = 0
         self.registry.register(_EventCollector(self))
         self.registry.register(_StateCollector(registry, num_in_flight, self))
+        if prefill_monitor is not None:
+            self.registry.register(_PrefillQueueCollector(prefill_monitor))
 
     def route(self, route: str) -> RouteMetrics:
         """The metrics of `route`, created on first use (handlers look it up once per request)."""
@@ -119,6 +132,10 @@ class GatewayMetrics:
         decisions[key] = decisions.get(key, 0) + 1
         self.num_matched_blocks += num_matched
         self.num_prompt_blocks += num_blocks
+
+    def observe_prefill(self, decision: str, reason: str) -> None:
+        key = (decision, reason)
+        self.prefill_decisions[key] = self.prefill_decisions.get(key, 0) + 1
 
     def observe_retry(self, reason: str) -> None:
         self.retries[reason] = self.retries.get(reason, 0) + 1
@@ -150,6 +167,8 @@ class _EventCollector(Collector):
                        {(reason,): n for reason, n in m.retries.items()})
         yield _counter("kvgate_upstream_errors", "failed attempts on a worker, by kind", ["worker", "kind"],
                        m.upstream_errors)
+        yield _counter("kvgate_disagg_decisions", "prefill decisions of dispatched attempts, by decision and reason",
+                       ["decision", "reason"], m.prefill_decisions)
         yield _counter("kvgate_prefix_matched_blocks", "prompt blocks already cached on the chosen worker", [],
                        {(): m.num_matched_blocks})
         yield _counter("kvgate_prefix_prompt_blocks", "full prompt blocks of routed requests", [],
@@ -240,3 +259,32 @@ class _StateCollector(Collector):
             dropped.add_metric([label, "malformed"], stats.num_malformed)
             dropped.add_metric([label, "unknown_parent"], stats.num_unknown_parent)
         yield from (blocks, entries, size, dropped)
+
+
+class _PrefillQueueCollector(Collector):
+    """The prefill queue as the router sees it, read at scrape time."""
+
+    def __init__(self, monitor: PrefillQueueMonitor) -> None:
+        self._monitor = monitor
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        monitor = self._monitor
+        depth = GaugeMetricFamily(
+            "kvgate_prefill_queue_depth", "last polled depth of the prefill queue, per model with a prefill worker",
+            labels=["model"],
+        )
+        for model, value in sorted(monitor.decider.polled_depths().items()):
+            if value is not None:
+                depth.add_metric([model], value)
+        yield depth
+        available = GaugeMetricFamily("kvgate_prefill_queue_available", "1 while the prefill queue answers")
+        available.add_metric([], 1.0 if monitor.is_available else 0.0)
+        yield available
+        yield _counter("kvgate_prefill_queue_unavailable", "times the prefill queue became unreachable", [],
+                       {(): monitor.num_outages})
+        yield _counter("kvgate_prefill_queue_polls", "depth polls of the prefill queue", [], {(): monitor.num_polls})
+        yield _counter("kvgate_prefill_queue_poll_failures", "depth polls that found the prefill queue unreachable",
+                       [], {(): monitor.num_failed_polls})

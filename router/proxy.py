@@ -19,6 +19,11 @@ Retry rules (NOTE: the client must never see two answers or half of one twice):
 - When every attempt failed, the last worker's 429/5xx answer is relayed as is; if
   none answered at all, the client gets 503.
 
+While disaggregation is active, each attempt's body carries that attempt's prefill
+decision (`Decision.prefill`, made by `RoutingCore.dispatch`) as `kv_transfer_params`,
+and the answer carries `X-Kvgate-Prefill: remote|local`; otherwise the body goes out
+exactly as parsed and no such header is added.
+
 Streaming relays each chunk as it arrives (no re-framing of the SSE bytes, no
 buffering); both sockets have TCP_NODELAY (the upstream pool sets it; aiohttp sets it
 on every connection it accepts). What is already there goes out together, nothing is
@@ -47,7 +52,7 @@ from yarl import URL
 from router.answer import header_line, whole_answer
 from router.errors import GatewayTimeout, NoEligibleWorker
 from router.metrics import GatewayMetrics
-from router.requests import CHAT, COMPLETIONS, ParsedRequest
+from router.requests import CHAT, COMPLETIONS, ParsedRequest, with_kv_transfer_params
 from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 if TYPE_CHECKING:
@@ -178,18 +183,20 @@ class Forwarder:
     ) -> web.StreamResponse | _Failure:
         target = self._target(candidate.url)
         request_id = decision.request.request_id
-        data = target.serialize(parsed.kind, request_id, parsed.body)
+        prefill = decision.prefill
+        body = parsed.body if prefill is None else with_kv_transfer_params(parsed, prefill.kv_transfer_params())
+        data = target.serialize(parsed.kind, request_id, body)
         upstream: UpstreamResponse | None = None
         try:
             upstream = await self.pool.request(target.host, target.port, target.tls, data)
             status = upstream.status
             if status in _RETRY_STATUSES:
-                answer = await self._whole(request, upstream, candidate, request_id)
+                answer = await self._whole(request, upstream, candidate, decision)
                 core.record_outcome(decision, ok=status < 500)
                 return _Failure(f"status_{status}", f"{candidate.worker_id} answered {status}", answer)
             if parsed.stream and status == 200:
                 return await self._relay_stream(request, upstream, decision, candidate, core, started)
-            answer = await self._whole(request, upstream, candidate, request_id)
+            answer = await self._whole(request, upstream, candidate, decision)
         except UpstreamError as exc:
             core.record_outcome(decision, ok=False)
             return _Failure(exc.kind, f"{candidate.worker_id}: {exc}")
@@ -216,15 +223,18 @@ class Forwarder:
 
     @staticmethod
     async def _whole(
-        request: web.Request, upstream: UpstreamResponse, candidate: Candidate, request_id: str
+        request: web.Request, upstream: UpstreamResponse, candidate: Candidate, decision: Decision
     ) -> web.StreamResponse:
         """The worker's answer, read whole, as the client will get it."""
         body = await upstream.read()
         headers = upstream.headers
         encoding = headers.get("content-encoding")
+        prefill = decision.prefill
         lines = b"".join((
             header_line("Content-Encoding", encoding) if encoding is not None else b"",
-            header_line("X-Kvgate-Worker", candidate.worker_id), b"X-Request-Id: ", request_id.encode(), b"\r\n",
+            header_line("X-Kvgate-Worker", candidate.worker_id),
+            header_line("X-Kvgate-Prefill", prefill.label) if prefill is not None else b"",
+            b"X-Request-Id: ", decision.request.request_id.encode(), b"\r\n",
         ))
         return whole_answer(request, upstream.status, headers.get("content-type"), lines, body)
 
@@ -236,6 +246,8 @@ class Forwarder:
             if value is not None:
                 headers[shown] = value
         headers["X-Kvgate-Worker"] = candidate.worker_id
+        if decision.prefill is not None:
+            headers["X-Kvgate-Prefill"] = decision.prefill.label
         headers["X-Request-Id"] = decision.request.request_id
         return headers
 

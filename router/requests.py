@@ -12,6 +12,9 @@ by `POST /admin/route` (the dry run parses exactly as the real route does).
 - The prompt is tokenized once, with `indexer.tokenizer` / `indexer.chat_template`,
   the same code the reference worker uses, so both get identical token ids; the ids
   are forwarded as `prompt_token_ids` unless that is switched off.
+- While disaggregation is active, the proxy sets `kv_transfer_params` in the
+  forwarded body per attempt (`with_kv_transfer_params`), replacing any the client
+  sent; otherwise the body passes through as the client sent it.
 
 Pure and synchronous: no I/O, no logging (this is the per-request hot path).
 """
@@ -57,6 +60,7 @@ class ParsedRequest:
     max_tokens: int  # the body's limit, or DEFAULT_MAX_TOKENS
     token_ids: array
     body: bytes  # what is forwarded
+    has_kv_transfer_params: bool = False  # the client's body sets kv_transfer_params
 
 
 def decode_object(raw: bytes) -> dict[str, Any]:
@@ -101,7 +105,10 @@ def parse_request(
         )
     forwarded = _forwarded_body(raw, body, token_ids) if forward_token_ids else raw
     stream = body.get("stream") is True
-    return ParsedRequest(kind, model, stream, max_tokens or DEFAULT_MAX_TOKENS[kind], token_ids, forwarded)
+    return ParsedRequest(
+        kind, model, stream, max_tokens or DEFAULT_MAX_TOKENS[kind], token_ids, forwarded,
+        "kv_transfer_params" in body,
+    )
 
 
 def _completion_ids(tokenizer: Tokenizer, body: dict[str, Any]) -> array:
@@ -129,6 +136,18 @@ def _forwarded_body(raw: bytes, body: dict[str, Any], token_ids: array) -> bytes
     # Splicing the field in before the closing brace avoids re-encoding the body.
     end = raw.rstrip()
     return b"".join((end[:-1], b',"prompt_token_ids":', ids, b"}"))
+
+
+def with_kv_transfer_params(parsed: ParsedRequest, params: bytes) -> bytes:
+    """The forwarded body with `kv_transfer_params` set to the JSON value `params`."""
+    body = parsed.body
+    if parsed.has_kv_transfer_params:  # rare: a client's own value is replaced
+        fields = _decode(body)
+        fields["kv_transfer_params"] = msgspec.Raw(params)
+        return _encode(fields)
+    # A forwarded body is a JSON object with at least `model`: splice before its end.
+    end = body.rstrip()
+    return b"".join((end[:-1], b',"kv_transfer_params":', params, b"}"))
 
 
 # -- field checks: only fields that are present and not null are checked ---------------

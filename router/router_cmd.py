@@ -9,6 +9,10 @@ stops accepting, closes every connection, probe and feed, and exits 0. Logs go t
 stderr. Once serving, the process freezes its startup objects out of the cyclic
 garbage collector's reach (`freeze_startup_objects`).
 
+Disaggregation (`router.disagg`) is on with `--prefill-queue URL` (Redis, or kvgate's
+queue server over HTTP with `--prefill-queue-token`); `kvgate up` may instead hand its in-process queue
+to `build_or_exit(config, prefill_queue=...)`.
+
 Workers come from `--worker` (repeatable: `URL` or `id=..,url=..,events=..,replay=..,
 load=..,model=..,role=..,block_size=..`), from `--workers-file` (TOML `[[workers]]`,
 YAML or JSON `workers:` list of admin-API bodies), from `[[router.worker]]` tables in
@@ -32,7 +36,9 @@ from aiohttp import web
 
 from indexer.tokenizer import TokenizerError
 from router.app import build_app
+from kvstore.prefill_queue import PrefillQueue
 from router.breaker import BreakerConfig
+from router.disagg import DisaggConfig
 from router.gateway import GatewayConfig
 from router.health import HealthConfig
 from router.policy import DEFAULT_POLICY, POLICY_NAMES, PolicyConfigError, load_config
@@ -79,6 +85,18 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     health.add_argument("--replay-timeout", type=float, default=1.0, help="seconds to wait for a KV event replay")
     health.add_argument("--worker-expiry", type=float, default=60.0,
                         help="seconds a self-registered worker may be down without re-registering before it is removed")
+    disagg = parser.add_argument_group("disaggregation (conditional decode-first)")
+    disagg.add_argument("--prefill-queue", default="", metavar="URL",
+                        help="global prefill queue: redis://, rediss://, unix:// or the http(s):// URL of kvgate's "
+                             "queue server; enables disaggregation (default: off)")
+    disagg.add_argument("--prefill-queue-token", metavar="TOKEN",
+                        help="bearer token of kvgate's queue server (http(s) queues; env: KVGATE_PREFILL_QUEUE_TOKEN)")
+    disagg.add_argument("--max-local-prefill-tokens", type=int, default=512,
+                        help="uncached prompt tokens a decode worker prefills itself; above: remote prefill")
+    disagg.add_argument("--max-prefill-queue-depth", type=int, default=32,
+                        help="prefill jobs in the queue at which prefill stays local")
+    disagg.add_argument("--prefill-queue-poll-interval", type=float, default=0.05,
+                        help="seconds between reads of the prefill queue's depth")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,6 +124,11 @@ def gateway_config(args: argparse.Namespace, workers: tuple[WorkerSpec, ...]) ->
                 fail_threshold=args.health_fail_threshold, pass_threshold=args.health_pass_threshold,
             ),
             breaker=BreakerConfig(failure_threshold=args.breaker_failures, open_s=args.breaker_open_time),
+            disagg=DisaggConfig(
+                prefill_queue_url=args.prefill_queue or "", max_local_prefill_tokens=args.max_local_prefill_tokens,
+                max_prefill_queue_depth=args.max_prefill_queue_depth,
+                poll_interval_s=args.prefill_queue_poll_interval, prefill_queue_token=args.prefill_queue_token or None,
+            ),
             max_concurrent_requests=args.max_concurrent_requests,
             api_keys=tuple(args.api_key), admin_token=args.admin_token or None,
             forward_token_ids=not args.no_prompt_token_ids,
@@ -167,9 +190,10 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def build_or_exit(config: GatewayConfig) -> web.Application:
+def build_or_exit(config: GatewayConfig, prefill_queue: PrefillQueue | None = None) -> web.Application:
+    """The app (see `router.app.build_app`); `SystemExit` naming the field on invalid config."""
     try:
-        return build_app(config)
+        return build_app(config, prefill_queue)
     except (TokenizerError, PolicyConfigError, ValueError) as exc:
         raise SystemExit(f"kvgate: {exc}") from None
 

@@ -7,7 +7,10 @@ blocks with the lookup step (one `find_matches` per block size in use), and asks
 current `Policy` for its ranking. The proxy then reports each attempt back through
 `dispatch` / `first_token` / `record_outcome` / `finish`, which keep the load tracker,
 the policy's hooks, the breaker, the per-worker counters and the decision metrics in
-step. `POST /admin/route` calls `route` alone: it changes no state.
+step. `dispatch` also asks the disaggregation decider (`router.disagg`), when it is
+active, whether the attempt's worker prefills locally or remotely, and leaves the
+answer in `Decision.prefill` for the proxy. `POST /admin/route` calls `route` (and
+`PrefillDecider.decide`, which reads only) alone: it changes no state.
 
 Pure and synchronous (no I/O, no logging): it runs on every request.
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from indexer.load import LoadAggregator
+from router.disagg import PrefillDecider, PrefillDecision
 from router.errors import ModelNotFound, NoEligibleWorker
 from router.load_tracker import LoadTracker
 from router.metrics import GatewayMetrics
@@ -38,6 +42,7 @@ class Decision:
     candidates: list[Candidate]  # every candidate considered, ranked or filtered out
     policy_name: str
     worker: Worker | None = None  # the worker of the attempt in progress
+    prefill: PrefillDecision | None = None  # the attempt's; None while disaggregation is off
     client_gone: bool = False
 
 
@@ -51,12 +56,14 @@ class RoutingCore:
         tracker: LoadTracker,
         policy: Policy,
         metrics: GatewayMetrics,
+        disagg: PrefillDecider,
     ) -> None:
         self.registry = registry
         self.aggregator = aggregator
         self.tracker = tracker
         self.policy = policy
         self.metrics = metrics
+        self.disagg = disagg
         registry.add_forget_listener(tracker.remove_worker)
         registry.add_forget_listener(self._on_worker_forgotten)
 
@@ -82,7 +89,7 @@ class RoutingCore:
         return Decision(request, ranked, candidates, policy.name)
 
     def candidates(self, model: str) -> list[Candidate]:
-        """One candidate per registered worker of `model`, with its state and load."""
+        """One candidate per registered worker of `model` (at its DP rank), with its state and load."""
         get_report = self.aggregator.get
         candidates = []
         for worker in self.registry.workers.values():
@@ -90,10 +97,10 @@ class RoutingCore:
             if spec.model != model:
                 continue
             candidate = Candidate(
-                spec.worker_id, 0, spec.url, spec.role, model, spec.block_size,
+                spec.worker_id, spec.dp_rank, spec.url, spec.role, model, spec.block_size,
                 worker.health.is_healthy and worker.breaker.allows(), worker.draining,
             )
-            report = get_report((spec.worker_id, 0))
+            report = get_report((spec.worker_id, spec.dp_rank))
             if report is not None:
                 candidate.apply_report(report)
             candidates.append(candidate)
@@ -129,11 +136,19 @@ class RoutingCore:
             worker.num_matched_blocks += matched
             worker.num_prompt_blocks += num_blocks
         num_prefill_tokens = max(0, request.num_prompt_tokens - matched * block_size)
+        if self.disagg.is_enabled and self._decide_prefill(decision, candidate).is_remote:
+            num_prefill_tokens = 0  # a prefill worker computes it: the worker only decodes
         total_tokens = request.num_prompt_tokens + request.max_tokens
         num_new_blocks = max(0, -(-total_tokens // block_size) - matched)
         self.tracker.on_dispatch(request.request_id, candidate.key, num_prefill_tokens, num_new_blocks)
         self.policy.on_dispatch(request, candidate)
         self.metrics.observe_decision(decision.policy_name, candidate.worker_id, matched, num_blocks)
+
+    def _decide_prefill(self, decision: Decision, candidate: Candidate) -> PrefillDecision:
+        prefill = decision.prefill = self.disagg.decide(decision.request, candidate, decision.candidates)
+        self.disagg.on_dispatch(candidate.model, prefill)
+        self.metrics.observe_prefill(prefill.label, prefill.reason)
+        return prefill
 
     def first_token(self, decision: Decision) -> None:
         self.tracker.on_first_token(decision.request.request_id)

@@ -1,7 +1,7 @@
 """What the router knows about a worker before talking to it, from every place it can come from.
 
 Owns `WorkerSpec` (id, base URL, role, model, KV events / replay / load endpoints,
-block size) and its three sources: the admin API's JSON body, a `--worker` flag
+block size, data-parallel rank) and its three sources: the admin API's JSON body, a `--worker` flag
 (`URL` or `key=value,...`), and a workers file (TOML `[[workers]]` tables, or YAML or
 JSON with a `workers:` list). The registry (`router.registry`) turns specs into live
 workers; `kvgate router` and the admin API call the parsers here.
@@ -31,6 +31,7 @@ _SHORT_KEYS = {"id": "worker_id", "events": "events_endpoint", "replay": "replay
 _WorkerId = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:@-]+$")]
 _Name = Annotated[str, msgspec.Meta(min_length=1, max_length=500)]
 _BlockSize = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+_DpRank = Annotated[int, msgspec.Meta(ge=0, le=1 << 16)]
 
 
 class SpecError(ValueError):
@@ -48,6 +49,9 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     replay_endpoint: str | None = None
     load_endpoint: str | None = None
     block_size: _BlockSize = 16
+    # A data-parallel engine rank registers as a worker of its own; its KV events and
+    # load reports are keyed (worker_id, dp_rank).
+    dp_rank: _DpRank = 0
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.structs.asdict(self)
@@ -102,11 +106,12 @@ def parse_worker_flag(text: str, position: int, defaults: Mapping[str, Any]) -> 
             if not sep:
                 raise SpecError(f"{where}: expected key=value, got {part!r}")
             fields[_SHORT_KEYS.get(key.strip(), key.strip())] = value.strip()
-    if "block_size" in fields:
-        try:
-            fields["block_size"] = int(fields["block_size"])
-        except ValueError:
-            raise SpecError(f"{where}: block_size must be an integer, got {fields['block_size']!r}") from None
+    for key in ("block_size", "dp_rank"):
+        if key in fields:
+            try:
+                fields[key] = int(fields[key])
+            except ValueError:
+                raise SpecError(f"{where}: {key} must be an integer, got {fields[key]!r}") from None
     return _with_defaults(fields, position, defaults, where)
 
 

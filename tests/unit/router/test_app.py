@@ -66,7 +66,9 @@ async def test_probes_and_metrics(gateway, sim_worker, warm_up, wait_until):
     url, state = await gateway(wait_healthy=False)
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{url}/health") as response:
-            assert (response.status, await response.json()) == (200, {"status": "ok"})
+            assert (response.status, await response.json()) == (
+                200, {"status": "ok", "prefill_queue": {"configured": False, "available": False}}
+            )
         async with http.get(f"{url}/ready") as response:
             assert response.status == 503
             assert _error(await response.json())["code"] == "no_eligible_worker"

@@ -46,6 +46,25 @@ def test_flags_config_file_and_environment_layer(tmp_path):
     assert gateway.admin_token == "tok" and gateway.api_keys == ("k1", "k2")
 
 
+def test_disaggregation_flags_default_off_and_layer():
+    args = _args("router", [])
+    disagg = gateway_config(args, static_workers(args)).disagg
+    assert (disagg.prefill_queue_url, disagg.max_local_prefill_tokens, disagg.max_prefill_queue_depth,
+            disagg.poll_interval_s) == ("", 512, 32, 0.05)
+    config = {"router": {"max_prefill_queue_depth": 8}}
+    env = {"KVGATE_PREFILL_QUEUE": "redis://127.0.0.1:6379/2", "KVGATE_MAX_LOCAL_PREFILL_TOKENS": "1024"}
+    args = _args("router", ["--prefill-queue-poll-interval", "0.2"], config, env)
+    disagg = gateway_config(args, static_workers(args)).disagg
+    assert (disagg.prefill_queue_url, disagg.max_local_prefill_tokens, disagg.max_prefill_queue_depth,
+            disagg.poll_interval_s) == ("redis://127.0.0.1:6379/2", 1024, 8, 0.2)
+    up = _args("up", ["--prefill-queue", "http://127.0.0.1:9100", "--max-local-prefill-tokens", "0"],
+               env={"KVGATE_PREFILL_QUEUE_TOKEN": "t0k"})
+    disagg = gateway_config(up, ()).disagg
+    assert (disagg.prefill_queue_url, disagg.max_local_prefill_tokens, disagg.prefill_queue_token) == (
+        "http://127.0.0.1:9100", 0, "t0k")
+    assert "t0k" not in repr(disagg)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -58,6 +77,10 @@ def test_flags_config_file_and_environment_layer(tmp_path):
         (["--max-concurrent-requests", "0"], "max_concurrent_requests"),
         (["--worker", "http://127.0.0.1:1"], "no model"),
         (["--worker", "id=a,url=ftp://x,model=m"], "absolute http"),
+        (["--max-local-prefill-tokens", "-1"], "max_local_prefill_tokens"),
+        (["--max-prefill-queue-depth", "-5"], "max_prefill_queue_depth"),
+        (["--prefill-queue-poll-interval", "0"], "poll_interval_s"),
+        (["--prefill-queue", "tcp://127.0.0.1:6379"], "prefill_queue_url"),
     ],
 )
 def test_bad_values_exit_naming_the_problem(argv, message):
