@@ -23,9 +23,10 @@ $(VENV)/.installed-worker: pyproject.toml | $(VENV)/bin/python
 	$(PIP) install --quiet -e '.[worker]'
 	touch $@
 
+# The suite covers the NIXL transport too (`transfer`: nixl-cu12 runs CPU-only over UCX).
 $(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/python
 	$(PIP) install --quiet $(TORCH)
-	$(PIP) install --quiet -e '.[test,worker]'
+	$(PIP) install --quiet -e '.[test,worker,transfer]'
 	touch $@
 
 install: $(VENV)/.installed-core

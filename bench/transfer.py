@@ -1,14 +1,17 @@
-"""Benchmark of KV block transfer (`kvstore.tcp_transfer`) between two processes.
+"""Benchmark of KV block transfer between two processes: NIXL and TCP against memcpy.
 
-A receiver subprocess (this script with `--receive`) registers a float16 KV cache of
+A receiver subprocess (this script with `--receive`) holds a float16 KV cache of
 2 layers x 8 KV heads x head_dim 64 x block_size 16, i.e. 64 KiB per block (K + V,
-all layers); the parent sends `n` blocks (64 KiB .. 256 MiB) with a `TcpSender` over
-127.0.0.1 and times `send()` end to end: gather on the sender, checksums, the wire,
-the scatter into the receiver's blocks, its ACK and the notification. The baseline is a
-plain `torch` copy of the same number of bytes in the same process and run. Figures are
-medians over repeats; the last printed line is one JSON object with `tcp_gbps`,
-`memcpy_gbps` and `nixl_gbps` (per size, GB/s = 1e9 bytes/s); `nixl_gbps` is null
-because kvstore has no NIXL transport yet (`nixl_installed` says whether the package is).
+all layers), behind a `TcpReceiver` and, when NIXL works here, a `NixlReceiver` over
+the same tensors. The parent sends `n` blocks (64 KiB .. 256 MiB, destination ids
+reversed so nothing is contiguous on both sides) through `kvstore.transports` senders
+over 127.0.0.1 and times `send()` end to end: for TCP the gather, checksums, wire,
+scatter, ACK and notification; for NIXL the descriptor build, the one-sided WRITE up to
+its flush and the notification. The baseline is a plain `torch` copy of the same number
+of bytes in the same process and run. Figures are medians over repeats; the last
+printed line is one JSON object with `nixl_gbps`, `tcp_gbps` and `memcpy_gbps` (per
+size, GB/s = 1e9 bytes/s; `nixl_gbps` is null when NIXL, the `transfer` extra, is not
+available) and the ratios to memcpy at the largest size.
 
 Run: `.venv/bin/python bench/transfer.py [--quick]`.
 """
@@ -16,7 +19,6 @@ Run: `.venv/bin/python bench/transfer.py [--quick]`.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -30,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvstore.kv_layout import KVLayout  # noqa: E402
-from kvstore.tcp_transfer import TcpReceiver, TcpSender  # noqa: E402
-from kvstore.transfer import KVCaches, ReceiverEndpoint  # noqa: E402
+from kvstore.transfer import KVCaches, KVSender, ReceiverEndpoint  # noqa: E402
+from kvstore.transports import available_transports, open_receiver, open_sender  # noqa: E402
 
 KIB, MIB = 1 << 10, 1 << 20
 BLOCK_BYTES = 64 * KIB
@@ -52,16 +54,21 @@ def make_caches(num_blocks: int, fill: bool) -> KVCaches:
 
 
 def receive(num_blocks: int) -> None:
-    """Child: serve a cache until stdin closes."""
-    with TcpReceiver(make_caches(num_blocks, fill=False)) as receiver:
+    """Child: serve one cache over every available transport until stdin closes."""
+    caches = make_caches(num_blocks, fill=False)
+    receivers = [open_receiver(kind, caches) for kind in available_transports()]
+    for receiver in receivers:
         print(receiver.endpoint.to_bytes().hex(), flush=True)
-        sys.stdin.read()
+    print("", flush=True)
+    sys.stdin.read()
+    for receiver in receivers:
+        receiver.close()
 
 
-def time_tcp(sender: TcpSender, peer: ReceiverEndpoint, num_blocks: int, repeats: int) -> float:
+def time_send(sender: KVSender, peer: ReceiverEndpoint, num_blocks: int, repeats: int) -> float:
     block_ids = list(range(num_blocks))
     samples = []
-    for i in range(repeats + 1):  # the first send opens the connection: not timed
+    for i in range(repeats + 1):  # the first send connects: not timed
         started = time.perf_counter()
         sender.send([peer], f"bench-{num_blocks}-{i}", block_ids, block_ids[::-1], timeout=120.0)
         samples.append(time.perf_counter() - started)
@@ -92,27 +99,44 @@ def main() -> None:
     child = subprocess.Popen([sys.executable, __file__, "--receive", str(max_blocks)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        peer = ReceiverEndpoint.from_bytes(bytes.fromhex(child.stdout.readline().strip()))
-        results = {"tcp_gbps": {}, "memcpy_gbps": {}, "nixl_gbps": None}
-        with TcpSender(make_caches(max_blocks, fill=True)) as sender:
-            for size in sizes:
-                repeats = 5 if size >= 64 * MIB else 20
-                tcp_s = time_tcp(sender, peer, size // BLOCK_BYTES, repeats)
-                memcpy_s = time_memcpy(size, repeats)
-                label = f"{size // KIB}KiB"
-                results["tcp_gbps"][label] = round(size / tcp_s / 1e9, 3)
-                results["memcpy_gbps"][label] = round(size / memcpy_s / 1e9, 3)
-                print(f"{label:>10}: tcp {size / tcp_s / 1e9:7.3f} GB/s  memcpy {size / memcpy_s / 1e9:7.3f} GB/s"
-                      f"  ratio {memcpy_s / tcp_s:.3f}", flush=True)
+        peers = {}
+        while line := child.stdout.readline().strip():
+            peer = ReceiverEndpoint.from_bytes(bytes.fromhex(line))
+            peers[peer.transport] = peer
+        results = measure(peers, sizes)
     finally:
         child.stdin.close()
-        child.wait(timeout=30)
+        child.wait(timeout=60)
         child.stdout.close()
     largest = f"{max(sizes) // KIB}KiB"
-    results["tcp_over_memcpy_largest"] = round(results["tcp_gbps"][largest] / results["memcpy_gbps"][largest], 3)
-    results["nixl_installed"] = importlib.util.find_spec("nixl") is not None
+    for kind in ("tcp", "nixl"):
+        if results[f"{kind}_gbps"] is not None:
+            ratio = results[f"{kind}_gbps"][largest] / results["memcpy_gbps"][largest]
+            results[f"{kind}_over_memcpy_largest"] = round(ratio, 3)
     print(json.dumps(results))
 
+
+def measure(peers: dict[str, ReceiverEndpoint], sizes: list[int]) -> dict:
+    """Per-size GB/s of every transport in `peers` and of memcpy, printed as it goes."""
+    caches = make_caches(max(sizes) // BLOCK_BYTES, fill=True)
+    senders = {kind: open_sender(peer, caches) for kind, peer in peers.items()}
+    results: dict = {"nixl_gbps": None, "tcp_gbps": None, "memcpy_gbps": {}}
+    try:
+        for size in sizes:
+            repeats = 5 if size >= 64 * MIB else 20
+            label = f"{size // KIB}KiB"
+            line = f"{label:>10}:"
+            memcpy_s = time_memcpy(size, repeats)
+            results["memcpy_gbps"][label] = round(size / memcpy_s / 1e9, 3)
+            for kind, sender in senders.items():
+                seconds = time_send(sender, peers[kind], size // BLOCK_BYTES, repeats)
+                results[f"{kind}_gbps"] = (results[f"{kind}_gbps"] or {}) | {label: round(size / seconds / 1e9, 3)}
+                line += f"  {kind} {size / seconds / 1e9:7.3f} GB/s ({memcpy_s / seconds:.3f} x memcpy)"
+            print(f"{line}  memcpy {size / memcpy_s / 1e9:7.3f} GB/s", flush=True)
+    finally:
+        for sender in senders.values():
+            sender.close()
+    return results
 
 if __name__ == "__main__":
     main()
