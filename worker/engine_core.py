@@ -17,7 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +25,7 @@ import torch
 
 from worker.block_pool import BlockPool
 from worker.model_runner import ModelRunner
-from worker.models import ModelConfig, build_model
+from worker.models import ModelConfig, MoETransformer, build_model
 from worker.sampling import Sampler, SamplingParams
 from worker.scheduler import RequestState, Scheduler, StepResult
 
@@ -84,6 +84,7 @@ class EngineCore:
         model_name: str = "",
         eos_token_id: int | None = None,
         weights: Path | str | None = None,
+        make_runner: Callable[[MoETransformer, int, int], ModelRunner] = ModelRunner,
     ) -> None:
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {config.device!r} asked for, but CUDA is not available")
@@ -96,7 +97,9 @@ class EngineCore:
             config.num_blocks, config.block_size, model=model_name, enable_caching=config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.pool)
-        self.runner = ModelRunner(model, config.num_blocks, config.block_size)
+        # make_runner(model, num_blocks, block_size): the DP worker's runner shards the
+        # model's experts and micro-batches steps (`worker.dp_engine`).
+        self.runner = make_runner(model, config.num_blocks, config.block_size)
         self.sampler = Sampler(config.seed)
         self._sampling: dict[str, tuple[SamplingParams, torch.Generator | None]] = {}
         self._generate_ids = itertools.count()

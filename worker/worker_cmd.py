@@ -135,6 +135,10 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if torch_cmd.wants_parallel(args):  # DP ranks / expert parallelism: one process per rank
+        from worker import dp_worker
+
+        return dp_worker.run(args)
     _check_args(args)
     config = sim_config(args)
     logging.basicConfig(
@@ -210,5 +214,6 @@ def _registration(args: argparse.Namespace, ready: dict[str, Any]) -> dict[str, 
         "replay_endpoint": ready["replay_endpoint"],
         "load_endpoint": ready["load_endpoint"],
         "block_size": ready["block_size"],
+        "dp_rank": ready.get("dp_rank", 0),
     }
 

@@ -315,7 +315,7 @@ async def check_registration_and_sigterm(worker, stand_in: RouterStandIn) -> Non
     registration = {
         "worker_id": WORKER_ID, "url": ready["url"], "role": "both", "model": MODEL,
         "events_endpoint": ready["events_endpoint"], "replay_endpoint": ready["replay_endpoint"],
-        "load_endpoint": ready["load_endpoint"], "block_size": BLOCK_SIZE,
+        "load_endpoint": ready["load_endpoint"], "block_size": BLOCK_SIZE, "dp_rank": 0,
     }
     await wait_until(lambda: len(stand_in.calls) >= 2)  # registered, then heartbeats
     posts = [call for call in stand_in.calls if call[0] == "POST"]

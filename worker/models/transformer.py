@@ -7,12 +7,14 @@ attention and MoE FFN, final RMSNorm, LM head), its seeded random initialisation
 The model runner (`worker/model_runner.py`) calls `forward` once per engine step
 with the batch's flat token ids, their positions, one `(K, V)` cache pair per layer
 and the step's `AttentionMetadata`, then `compute_logits` on the hidden states of
-the tokens to sample. Parameter names (`state_dict()`) are the tensor names of
+the tokens to sample. `replace_moe` swaps the MoE layers for expert-parallel shards
+(`worker.dp_engine`). Parameter names (`state_dict()`) are the tensor names of
 weight files; `worker/models/weights.py` documents them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -69,6 +71,17 @@ class MoETransformer(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden = layer(hidden, positions, kv_cache, meta)
         return self.model.norm(hidden)
+
+    def replace_moe(self, make_layer: Callable[[int, MoE], nn.Module]) -> None:
+        """Swaps every decoder layer's `MoE` for `make_layer(layer index, that MoE)`.
+
+        The hook expert parallelism uses (`worker.dp_engine`): the replacement must take
+        and return [T, hidden] like `MoE`; the old layer is dropped once replaced.
+        """
+        for index, layer in enumerate(self.model.layers):
+            if not isinstance(layer.mlp, MoE):
+                raise TypeError(f"layer {index}'s feed-forward is already a {type(layer.mlp).__name__}")
+            layer.mlp = make_layer(index, layer.mlp)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab_size]."""
