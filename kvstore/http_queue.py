@@ -17,8 +17,9 @@ Invariants:
   server's message, so callers fall back to local prefill the same way; a 401 (token
   missing or wrong) also marks the server down, as nothing works until it changes.
 - `counters` count what this client did: its enqueues and duplicates, the jobs
-  delivered to it and acked by it, its failed operations (`num_unavailable`), and the
-  retirements (reclaimed, expired, dead-lettered) the server reports with its claims.
+  delivered to it, renewed and acked by it, its failed operations (`num_unavailable`),
+  and the retirements (reclaimed, expired, dead-lettered) the server reports with its
+  claims.
 - A claim longer than `MAX_CLAIM_WAIT_S` is several long polls. A claim abandoned on
   this side (timed out, cancelled) after the server took a job leaves that job
   pending there: it is delivered again after `idle_timeout_s`.
@@ -52,6 +53,7 @@ from kvstore.queue_server import (
     EnqueueReply,
     EnqueueRequest,
     HealthReply,
+    RenewReply,
     claim_from_wire,
     claim_to_wire,
     dead_letter_from_wire,
@@ -134,6 +136,12 @@ class HttpPrefillQueue:
         if reply.acked:
             self.counters.num_acked += 1
         return reply.acked
+
+    async def renew(self, claimed: ClaimedJob) -> bool:
+        reply = await self._call("renew", claim_to_wire(claimed), RenewReply)
+        if reply.renewed:
+            self.counters.num_renewed += 1
+        return reply.renewed
 
     async def depth(self, model: str) -> int:
         return (await self._call("depth", DepthRequest(model), DepthReply)).depth

@@ -7,7 +7,8 @@ reference the Redis implementation is tested against (same conformance suite).
 
 Invariants:
 - Every unfinished job is in `_Stream.entries`, in enqueue order; a waiting one is
-  also in `waiting`, a claimed one in `pending` (ordered by last delivery).
+  also in `waiting`, a claimed one in `pending` (ordered by last delivery or renewal,
+  so its first entry is the one idle longest).
 - State changes happen in synchronous methods, never across an `await`; the only
   await is the wait for new jobs. Always available: nothing here can be unreachable.
 
@@ -110,6 +111,16 @@ class MemoryPrefillQueue:
             return False
         del stream.entries[claimed.entry_id]
         self.counters.num_acked += 1
+        return True
+
+    async def renew(self, claimed: ClaimedJob) -> bool:
+        stream = self._stream(claimed.job.model)
+        entry = stream.pending.get(claimed.entry_id)
+        if entry is None or (entry.consumer, entry.num_deliveries) != (claimed.consumer, claimed.num_deliveries):
+            return False
+        entry.delivered_at = time.monotonic()
+        stream.pending.move_to_end(claimed.entry_id)
+        self.counters.num_renewed += 1
         return True
 
     async def depth(self, model: str) -> int:

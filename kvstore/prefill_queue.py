@@ -16,6 +16,12 @@ The contract all three keep (tests/integration/test_prefill_queue.py checks it o
 - A queue keeps at most about `max_len` unfinished jobs: the oldest are trimmed.
 - A claimed job stays in the queue until `ack`; one left unacked for
   `idle_timeout_s` is delivered again to the next consumer that claims.
+- `renew` is the holder's heartbeat: it restarts the job's idle clock, so a job
+  renewed more often than every `idle_timeout_s` is never delivered again. It
+  leaves the delivery count as it is, and it is True only while the job is still
+  pending with that very delivery (same consumer, same `num_deliveries`): once the
+  job was acked, reclaimed (even by the same consumer name), trimmed, expired or
+  dead-lettered it returns False and changes nothing.
 - A job about to be delivered more than `max_deliveries` times goes to the
   dead-letter list instead, with the reason; a job past its deadline is dropped
   (acked, counted in `num_expired`) and never returned.
@@ -23,7 +29,7 @@ The contract all three keep (tests/integration/test_prefill_queue.py checks it o
 - Every operation either completes within about `op_timeout_s` or raises
   `QueueUnavailable`, so callers fall back to local prefill.
 
-Called by decode workers (enqueue), prefill workers (claim, ack), the router's
+Called by decode workers (enqueue), prefill workers (claim, renew, ack), the router's
 disaggregation decider (depth) and `/health` and metrics (is_available, counters).
 """
 
@@ -80,6 +86,7 @@ class QueueCounters:
     num_expired: int = 0
     num_dead_lettered: int = 0
     num_unavailable: int = 0
+    num_renewed: int = 0
 
     def snapshot(self) -> dict[str, int]:
         """A copy, keyed by field name."""
@@ -116,6 +123,12 @@ class PrefillQueue(Protocol):
 
     async def ack(self, claimed: ClaimedJob) -> bool:
         """Mark the job done (its KV reached D); False if it was no longer pending."""
+        ...
+
+    async def renew(self, claimed: ClaimedJob) -> bool:
+        """Restart the idle clock of a job `claimed.consumer` still holds (a heartbeat while it runs);
+        False, changing nothing, once the job is no longer pending with that consumer (acked,
+        reclaimed by another, trimmed, dead-lettered)."""
         ...
 
     async def depth(self, model: str) -> int:

@@ -6,10 +6,11 @@ processes reach it through this server with `kvstore.http_queue.HttpPrefillQueue
 The server never starts or closes the queue: whoever made it owns it.
 
 Wire format (base URL `http://host:port`, as `QueueServer.url` gives it):
-- `POST /v1/prefill-queue/{enqueue,claim,ack,depth,dead-letters}`: the request body
-  and the 200 answer are msgpack maps, the structs below (`*Request` in, `*Reply`
-  out; `ack` sends a `WireClaim`). A job travels as a msgpack `bin` holding the bytes
-  of `encode_job`, so the codec of `kvstore.prefill_job` is the only one for jobs.
+- `POST /v1/prefill-queue/{enqueue,claim,ack,renew,depth,dead-letters}`: the request
+  body and the 200 answer are msgpack maps, the structs below (`*Request` in, `*Reply`
+  out; `ack` and `renew` send the claim's `WireClaim`). A job travels as a msgpack
+  `bin` holding the bytes of `encode_job`, so the codec of `kvstore.prefill_job` is
+  the only one for jobs.
 - `GET /v1/prefill-queue/health`: JSON `HealthReply`, 200 while the queue is
   available, 503 when not.
 - Errors are JSON `{"error": {"message", "type", "param", "code"}}`: 400 a body that
@@ -93,6 +94,10 @@ class ClaimReply(msgspec.Struct):
 
 class AckReply(msgspec.Struct):
     acked: bool
+
+
+class RenewReply(msgspec.Struct):
+    renewed: bool
 
 
 class DepthRequest(msgspec.Struct):
@@ -189,6 +194,7 @@ def create_app(queue: PrefillQueue, token: str | None = None) -> web.Application
         "enqueue": _enqueue,
         "claim": _claim,
         "ack": _ack,
+        "renew": _renew,
         "depth": _depth,
         "dead-letters": _dead_letters,
     }
@@ -217,9 +223,13 @@ async def _claim(request: web.Request) -> web.Response:
 
 
 async def _ack(request: web.Request) -> web.Response:
-    body = await _decode(request, WireClaim)
-    claimed = ClaimedJob(_decode_job(body.job), body.entry_id, body.consumer, body.num_deliveries)
+    claimed = await _decode_claim(request)
     return _msgpack(AckReply(await request.app[STATE].queue.ack(claimed)))
+
+
+async def _renew(request: web.Request) -> web.Response:
+    claimed = await _decode_claim(request)
+    return _msgpack(RenewReply(await request.app[STATE].queue.renew(claimed)))
 
 
 async def _depth(request: web.Request) -> web.Response:
@@ -248,6 +258,11 @@ async def _decode(request: web.Request, kind: type[T]) -> T:
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         op = request.path.rsplit("/", 1)[-1]
         raise ApiError(400, f"bad {op} request (a msgpack {kind.__name__} is expected): {exc}", "invalid_request_error")
+
+
+async def _decode_claim(request: web.Request) -> ClaimedJob:
+    body = await _decode(request, WireClaim)
+    return ClaimedJob(_decode_job(body.job), body.entry_id, body.consumer, body.num_deliveries)
 
 
 def _decode_job(payload: bytes) -> PrefillJob:

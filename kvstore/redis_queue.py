@@ -13,7 +13,11 @@ Invariants:
   the stream and an accepted job is in the stream when `enqueue` returns True.
 - An entry leaves the stream only by XACK + XDEL in one MULTI (ack, expiry,
   dead-letter) or by trimming; so XLEN is the number of unfinished jobs.
-- Delivery counts are Redis's own (XREADGROUP sets 1, XAUTOCLAIM adds 1).
+- Delivery counts are Redis's own (XREADGROUP sets 1, XAUTOCLAIM adds 1); a renewal
+  (XCLAIM ... JUSTID) resets the idle time and adds nothing.
+- Renewal is one Lua script: it checks that the entry is pending with the claim's
+  consumer and delivery count before it XCLAIMs, so it never takes over a job that
+  another delivery holds.
 - Every call is bounded and raises `QueueUnavailable` when Redis is unreachable
   (`kvstore.redis_link`), which also reconnects with backoff by itself.
 
@@ -42,6 +46,17 @@ end
 return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'job', ARGV[3])
 """
 
+# KEYS: stream. ARGV: group, consumer, delivery count, entry id. Returns 1 if renewed.
+# XCLAIM JUSTID with min-idle 0 resets the idle time without counting a delivery; it
+# claims nothing, and drops the pending entry, when the entry was trimmed away.
+_RENEW_LUA = """
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[4], ARGV[4], 1)[1]
+if not pending or pending[2] ~= ARGV[2] or pending[4] ~= tonumber(ARGV[3]) then
+  return 0
+end
+return #redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[4], 'JUSTID')
+"""
+
 _Entry = tuple[str, dict[bytes, bytes]]
 
 
@@ -53,6 +68,7 @@ class RedisPrefillQueue:
         self.counters = QueueCounters()
         self._link = RedisLink(url, self.config, self.counters, on_up=self._forget_groups)
         self._enqueue_script = self._link.client.register_script(_ENQUEUE_LUA)
+        self._renew_script = self._link.client.register_script(_RENEW_LUA)
         self._groups: set[str] = set()
 
     @property
@@ -93,6 +109,20 @@ class RedisPrefillQueue:
         if num_acked:
             self.counters.num_acked += 1
         return num_acked == 1
+
+    async def renew(self, claimed: ClaimedJob) -> bool:
+        keys = [self._stream_key(claimed.job.model)]
+        args = [self.config.group, claimed.consumer, claimed.num_deliveries, claimed.entry_id]
+        try:
+            num_renewed = await self._link.call(lambda _: self._renew_script(keys=keys, args=args))
+        except ResponseError as exc:
+            # No stream or no group (Redis restarted empty): nothing is pending.
+            if "NOGROUP" not in str(exc):
+                raise
+            return False
+        if num_renewed:
+            self.counters.num_renewed += 1
+        return num_renewed == 1
 
     async def depth(self, model: str) -> int:
         stream = self._stream_key(model)

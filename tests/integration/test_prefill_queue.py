@@ -27,7 +27,7 @@ import redis.asyncio as redis
 
 from kvstore.http_queue import HttpPrefillQueue
 from kvstore.memory_queue import MemoryPrefillQueue
-from kvstore.prefill_job import PrefillJob
+from kvstore.prefill_job import ClaimedJob, PrefillJob
 from kvstore.prefill_queue import PrefillQueue, QueueConfig, QueueUnavailable, open_prefill_queue
 from kvstore.queue_server import QueueServer
 from kvstore.redis_queue import RedisPrefillQueue
@@ -212,6 +212,109 @@ async def test_idle_job_is_reclaimed_by_another_consumer(make_queue):
     assert await queue.depth(MODEL) == 0
 
 
+async def renew_until(stop: asyncio.Event, queue: PrefillQueue, claimed: ClaimedJob, interval_s: float) -> list[bool]:
+    """Renew `claimed` every `interval_s` until `stop` is set; each renewal's answer."""
+    answers = []
+    while not stop.is_set():
+        await asyncio.sleep(interval_s)
+        answers.append(await queue.renew(claimed))
+    return answers
+
+
+async def test_renewed_job_is_not_reclaimed_past_the_idle_timeout(make_queue):
+    queue = await make_queue(idle_timeout_s=0.3)
+    await queue.enqueue(make_job("slow"))
+    held = await queue.claim(MODEL, "slow-worker", timeout_s=0)
+    assert held is not None and held.num_deliveries == 1
+    stop = asyncio.Event()
+    heartbeat = asyncio.create_task(renew_until(stop, queue, held, interval_s=0.1))
+    started = time.monotonic()
+    assert await queue.claim(MODEL, "w1", timeout_s=1.0) is None  # over three idle timeouts
+    assert time.monotonic() - started >= 1.0
+    stop.set()
+    answers = await heartbeat
+    assert len(answers) >= 5 and answers == [True] * len(answers)
+    assert await queue.ack(held) is True  # still the first delivery: renewals count none
+    assert (queue.counters.num_renewed, queue.counters.num_reclaimed) == (len(answers), 0)
+    assert (queue.counters.num_delivered, queue.counters.num_acked) == (1, 1)
+    assert await queue.depth(MODEL) == 0
+
+
+async def test_renewal_counts_no_delivery_and_a_reclaimed_holder_cannot_renew(make_queue):
+    queue = await make_queue()
+    await queue.enqueue(make_job("r1"))
+    first = await queue.claim(MODEL, "stalled", timeout_s=0)
+    assert first is not None
+    for _ in range(3):
+        assert await queue.renew(first) is True
+    second = await queue.claim(MODEL, "w1", timeout_s=2.0)  # once the renewals stopped
+    assert second is not None
+    assert (second.job, second.consumer, second.num_deliveries) == (first.job, "w1", 2)
+    assert await queue.renew(first) is False
+    # The failed renewal took nothing: w1 still holds the job, with a fresh idle clock.
+    assert await queue.renew(second) is True
+    assert await queue.claim(MODEL, "w2", timeout_s=0) is None
+    assert await queue.ack(second) is True
+    assert (queue.counters.num_renewed, queue.counters.num_reclaimed) == (4, 1)
+    assert await queue.depth(MODEL) == 0
+
+
+async def test_renewal_of_an_older_delivery_to_the_same_consumer_fails(make_queue):
+    queue = await make_queue()
+    await queue.enqueue(make_job("r1"))
+    first = await queue.claim(MODEL, "w0", timeout_s=0)
+    second = await queue.claim(MODEL, "w0", timeout_s=2.0)  # another slot of the same worker
+    assert first is not None and second is not None
+    assert (second.consumer, second.num_deliveries) == ("w0", 2)
+    assert await queue.renew(first) is False
+    assert await queue.renew(second) is True
+    assert queue.counters.num_renewed == 1
+
+
+async def test_renewal_after_ack_or_of_an_unknown_job_fails(make_queue):
+    queue = await make_queue()
+    await queue.enqueue(make_job("r1"))
+    claimed = await queue.claim(MODEL, "w0", timeout_s=0)
+    assert claimed is not None
+    assert await queue.ack(claimed) is True
+    assert await queue.renew(claimed) is False
+    never_queued = ClaimedJob(make_job("r2", model="never-used"), "1-0", "w0", 1)
+    assert await queue.renew(never_queued) is False
+    assert queue.counters.num_renewed == 0
+    assert await queue.depth(MODEL) == 0
+
+
+async def test_renewal_of_an_expired_or_dead_lettered_job_fails(make_queue):
+    queue = await make_queue(max_deliveries=2)
+    await queue.enqueue(make_job("poison"))
+    first = await queue.claim(MODEL, "w0", timeout_s=0)
+    second = await queue.claim(MODEL, "w1", timeout_s=2.0)
+    assert first is not None and second is not None and second.num_deliveries == 2
+    assert await queue.claim(MODEL, "w2", timeout_s=0.5) is None  # its third delivery: dead
+    assert queue.counters.num_dead_lettered == 1
+    assert (await queue.renew(first), await queue.renew(second)) == (False, False)
+    await queue.enqueue(make_job("late", deadline_in_s=0.2))
+    late = await queue.claim(MODEL, "w0", timeout_s=0)
+    assert late is not None and late.job.request_id == "late"
+    await asyncio.sleep(0.25)  # past both the deadline and the idle timeout
+    assert await queue.claim(MODEL, "w1", timeout_s=0) is None
+    assert queue.counters.num_expired == 1
+    assert await queue.renew(late) is False
+    assert queue.counters.num_renewed == 0
+    assert await queue.depth(MODEL) == 0
+
+
+async def test_renewal_of_a_trimmed_job_fails(make_queue):
+    queue = await make_queue(max_len=5)
+    await queue.enqueue(make_job("r0"))
+    oldest = await queue.claim(MODEL, "w0", timeout_s=0)
+    assert oldest is not None
+    for i in range(1, 250):
+        assert await queue.enqueue(make_job(f"r{i}"))
+    assert await queue.renew(oldest) is False
+    assert queue.counters.num_renewed == 0
+
+
 async def test_job_delivered_too_often_is_dead_lettered(make_queue):
     queue = await make_queue(max_deliveries=2, idle_timeout_s=0.1)
     job = make_job("poison")
@@ -334,6 +437,7 @@ async def assert_unavailable_fast(queue: PrefillQueue) -> None:
         lambda: queue.enqueue(make_job("during-outage")),
         lambda: queue.claim(MODEL, "w0", timeout_s=0.5),
         lambda: queue.depth(MODEL),
+        lambda: queue.renew(ClaimedJob(make_job("during-outage"), "1-0", "w0", 1)),
     ]
     for operation in operations:
         started = time.monotonic()
@@ -357,7 +461,7 @@ async def test_unreachable_redis_raises_fast_and_start_does_not():
         await queue.start()
         assert not queue.is_available
         await assert_unavailable_fast(queue)
-        assert queue.counters.num_unavailable >= 3
+        assert queue.counters.num_unavailable >= 4
     finally:
         await queue.close()
 
@@ -385,6 +489,7 @@ async def test_durable_redis_killed_and_restarted_loses_no_enqueued_job(redis_di
         await wait_available(queue)
         # Jobs, the consumer group with its pending entry and dedupe keys all survive.
         assert await queue.depth(MODEL) == 5
+        assert await queue.renew(in_flight) is True  # a fresh server: the script is loaded again
         assert await queue.enqueue(make_job("r3")) is False
         assert await drain(queue, "w1") == ["r1", "r2", "r3", "r4"]
         assert await queue.ack(in_flight) is True
@@ -402,7 +507,8 @@ async def test_redis_without_persistence_restarts_empty_and_queue_works_again(re
         await queue.start()
         for i in range(3):
             assert await queue.enqueue(make_job(f"r{i}"))
-        assert await queue.claim(MODEL, "w0", timeout_s=0) is not None
+        held = await queue.claim(MODEL, "w0", timeout_s=0)
+        assert held is not None
         kill(procs[0])
         await assert_unavailable_fast(queue)
         procs.append(start_redis(port, data_dir, durable=False))
@@ -410,6 +516,7 @@ async def test_redis_without_persistence_restarts_empty_and_queue_works_again(re
         # Nothing survives: no jobs, no group, no dedupe keys. Decode workers fall back
         # at their deadlines; the queue itself recreates what it needs.
         assert await queue.depth(MODEL) == 0
+        assert await queue.renew(held) is False
         assert await queue.enqueue(make_job("r0")) is True
         assert await drain(queue) == ["r0"]
     finally:
@@ -456,7 +563,7 @@ async def test_http_queue_without_server_raises_fast_and_start_does_not(served):
     queue = await connect(f"http://127.0.0.1:{free_port()}")
     assert not queue.is_available
     await assert_unavailable_fast(queue)
-    assert queue.counters.num_unavailable == 3
+    assert queue.counters.num_unavailable == 4
 
 
 async def test_http_queue_gives_up_within_op_timeout_on_a_silent_server(served):
@@ -513,7 +620,7 @@ async def test_http_queue_server_stopped_and_restarted_on_the_same_port(served):
     assert await drain(queue, "w1") == ["r1", "r2"]
     assert await queue.ack(in_flight) is True
     assert await queue.depth(MODEL) == 0
-    assert queue.counters.num_unavailable == 4  # the blocked claim and the three above
+    assert queue.counters.num_unavailable == 5  # the blocked claim and the four above
 
 
 async def test_http_queue_needs_the_servers_token(served):
@@ -557,6 +664,11 @@ async def test_http_queue_server_answers_bad_bodies_with_400(served):
     assert status == 400 and body["error"]["message"].endswith("Expected `float` >= 0.0 - at `$.timeout_s`")
     status, body = await post(server.url, "claim", msgspec.msgpack.encode({"model": MODEL, "timeout_s": 1}))
     assert status == 400 and body["error"]["message"].endswith("Object missing required field `consumer`")
+    bad_claim = {"job": b"", "entry_id": "1-0", "consumer": "", "num_deliveries": 1}
+    status, body = await post(server.url, "renew", msgspec.msgpack.encode(bad_claim))
+    assert status == 400 and body["error"]["message"] == (
+        "bad renew request (a msgpack WireClaim is expected): Expected `str` of length >= 1 - at `$.consumer`"
+    )
     status, body = await post(server.url, "no-such-op", b"")
     assert (status, body["error"]["type"]) == (404, "invalid_request_error")
     assert await memory.depth(MODEL) == 0

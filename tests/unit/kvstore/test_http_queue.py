@@ -14,6 +14,7 @@ from kvstore.prefill_queue import QueueConfig, QueueUnavailable
 from kvstore.queue_server import (
     ClaimReply,
     ClaimRequest,
+    RenewReply,
     ServerState,
     WireClaim,
     claim_from_wire,
@@ -40,6 +41,15 @@ def test_claimed_job_round_trips_through_the_wire() -> None:
     reply = msgspec.msgpack.decode(payload, type=ClaimReply)
     assert claim_from_wire(reply.claimed) == claimed
     assert (reply.num_reclaimed, reply.num_expired, reply.num_dead_lettered) == (0, 1, 0)
+
+
+def test_renew_sends_the_claim_and_gets_a_yes_or_no() -> None:
+    claimed = ClaimedJob(JOB, "17-0", "prefill-1", 2)
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(claim_to_wire(claimed)), type=WireClaim)
+    assert claim_from_wire(wire) == claimed
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(RenewReply(True)), type=RenewReply) == RenewReply(True)
+    with pytest.raises(msgspec.ValidationError, match=r"Object missing required field `renewed`"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode({}), type=RenewReply)
 
 
 def test_dead_letters_round_trip_and_an_undecodable_job_becomes_none() -> None:
@@ -88,5 +98,7 @@ async def test_closed_client_fails_at_once_without_network() -> None:
     started = time.monotonic()
     with pytest.raises(QueueUnavailable, match="is closed"):
         await queue.depth("m")
+    with pytest.raises(QueueUnavailable, match="is closed"):
+        await queue.renew(ClaimedJob(JOB, "17-0", "prefill-1", 1))
     assert time.monotonic() - started < 0.05
-    assert (queue.is_available, queue.counters.num_unavailable) == (False, 1)
+    assert (queue.is_available, queue.counters.num_unavailable) == (False, 2)
