@@ -27,8 +27,10 @@ class PrefillJob(msgspec.Struct, frozen=True, tag="PrefillJob", gc=False):
     """One remote prefill: compute the KV of `token_ids`, write it into D's blocks.
 
     `block_ids` are decode worker D's block ids for the uncached part of the prompt,
-    that is for the full blocks from `num_cached_tokens` on; `transfer_endpoint` and
-    `agent_metadata` tell the prefill worker how to reach D's KV memory.
+    that is for the full blocks from `num_cached_tokens` on (a multiple of
+    `block_size`); `receivers` are D's ranks' encoded `kvstore.transfer.ReceiverEndpoint`s
+    (transport, address, KV layout), `transfer_endpoint` the first one's address for
+    logs, and `agent_metadata` what a transport needs beyond that.
     """
 
     request_id: str
@@ -41,6 +43,8 @@ class PrefillJob(msgspec.Struct, frozen=True, tag="PrefillJob", gc=False):
     num_cached_tokens: int = 0
     agent_metadata: bytes = b""
     created_at: float = 0.0
+    block_size: int = 0
+    receivers: list[bytes] = msgspec.field(default_factory=list)
 
     def is_expired(self, now: float | None = None) -> bool:
         """True once the decode worker stopped waiting (it prefills locally then)."""

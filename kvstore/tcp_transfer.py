@@ -214,8 +214,11 @@ class TcpReceiver(KVReceiver):
         data = torch.frombuffer(buf, dtype=torch.uint8).view(key_cache.dtype).view(shape)
         block_ids = torch.tensor(write.block_ids, dtype=torch.long, device=key_cache.device)
         heads = slice(write.head_start, write.head_stop)
-        key_cache[block_ids, :, heads] = data[0].to(key_cache.device)
-        self.caches.values[write.layer][block_ids, :, heads] = data[1].to(key_cache.device)
+        # NOTE: an engine allocates its cache under inference mode; such tensors only
+        # accept in-place writes inside it (and normal tensors accept them there too).
+        with torch.inference_mode():
+            key_cache[block_ids, :, heads] = data[0].to(key_cache.device)
+            self.caches.values[write.layer][block_ids, :, heads] = data[1].to(key_cache.device)
 
 
 def _check_write(write: WriteMeta, layout: KVLayout) -> str | None:

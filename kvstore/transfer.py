@@ -26,7 +26,7 @@ from __future__ import annotations
 import abc
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -170,6 +170,8 @@ class KVReceiver(abc.ABC):
         self._pending: dict[str, set[tuple[int, int]]] = {}
         self._finished: list[str] = []
         self._done: set[str] = set()
+        # Called (on the transport's thread, outside any lock) once a request completes.
+        self.on_finished: Callable[[str], None] | None = None
 
     @property
     @abc.abstractmethod
@@ -186,11 +188,14 @@ class KVReceiver(abc.ABC):
                 return
             missing = self._pending.setdefault(request_id, set(expected))
             missing.discard((src.pp_rank, src.tp_rank))
-            if not missing:
-                del self._pending[request_id]
-                self._done.add(request_id)
-                self._finished.append(request_id)
-                self._cond.notify_all()
+            if missing:
+                return
+            del self._pending[request_id]
+            self._done.add(request_id)
+            self._finished.append(request_id)
+            self._cond.notify_all()
+        if self.on_finished is not None:
+            self.on_finished(request_id)
 
     def take_finished(self) -> list[str]:
         """Request ids completed since the last call (the engine polls this each step)."""

@@ -122,6 +122,10 @@ class GenerateRequest:
     stream: bool = False
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    # Disaggregation: the router asks for a remote prefill ("kv_transfer_params":
+    # {"do_remote_prefill": true}); `hold_blocks` is set by a prefill worker's own loop.
+    remote_prefill: bool = False
+    hold_blocks: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -256,7 +260,17 @@ def _build(
         stop_token_ids=_stop_token_ids(body, served.tokenizer.vocab_size),
         stream=stream,
         include_usage=_include_usage(body, stream),
+        remote_prefill=_remote_prefill(body),
     )
+
+
+def _remote_prefill(body: dict[str, Any]) -> bool:
+    params = body.get("kv_transfer_params")
+    if params is None:
+        return False
+    if not isinstance(params, dict):
+        raise InvalidRequest("kv_transfer_params must be an object", param="kv_transfer_params")
+    return _bool(params, "do_remote_prefill")
 
 
 def _int(body: dict[str, Any], name: str, low: int, high: int | None = None) -> int | None:

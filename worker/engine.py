@@ -34,11 +34,14 @@ class EngineOutput:
 
     `finish_reason` is "length" (max_tokens reached) or "stop" (EOS) on the last output.
     `num_cached_tokens`: prompt tokens found in the prefix cache when first scheduled.
+    `block_ids`: on the last output of a request submitted with `hold_blocks`, the KV
+    blocks the engine holds for it until `release`.
     """
 
     token_ids: list[int]
     finish_reason: str | None
     num_cached_tokens: int
+    block_ids: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +124,7 @@ class OutputStreams:
                     else:
                         output.token_ids.extend(more.token_ids)
                         output.finish_reason = more.finish_reason
+                        output.block_ids = more.block_ids
                 if isinstance(output, Exception):
                     raise output
                 yield output

@@ -103,6 +103,7 @@ class EngineCore:
         self.sampler = Sampler(config.seed)
         self._sampling: dict[str, tuple[SamplingParams, torch.Generator | None]] = {}
         self._generate_ids = itertools.count()
+        self.stalled = False  # the last step scheduled nothing: wait for a KV transfer
 
     # -- requests ------------------------------------------------------------------
 
@@ -121,8 +122,13 @@ class EngineCore:
         if any(t >= vocab_size for t in params.stop_token_ids):
             raise RequestRejected(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> RequestState:
-        """Queues a request (after `check`); its tokens come out of `step`."""
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+        remote_prefill: bool = False, hold_blocks: bool = False,
+    ) -> RequestState:
+        """Queues a request (after `check`); its tokens come out of `step`.
+
+        `remote_prefill` and `hold_blocks`: see `worker.scheduler` (disaggregation)."""
         if request_id in self._sampling:
             raise RequestRejected(f"request id {request_id!r} is already in use", "request_id")
         self.check(prompt_token_ids, params)
@@ -131,13 +137,15 @@ class EngineCore:
         state = RequestState(
             request_id, prompt, len(prompt), params.max_tokens, None, eos,
             stop_token_ids=frozenset(params.stop_token_ids),
+            remote_prefill=remote_prefill, hold_blocks=hold_blocks,
         )
         self._sampling[request_id] = (params, self.sampler.new_generator(params))
         self.scheduler.add(state)
         return state
 
     def abort(self, request_id: str) -> bool:
-        """Drops an unfinished request and frees its blocks; False if unknown or finished."""
+        """Drops an unfinished request and frees its blocks (held while remote-prefilling);
+        False if unknown or finished."""
         self._sampling.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
@@ -149,7 +157,11 @@ class EngineCore:
     def step(self) -> list[StepResult]:
         """Schedules, runs and samples one step; returns the tokens it produced."""
         step = self.scheduler.schedule()
-        assert step.scheduled, "work queued but nothing schedulable: a request outgrew the pool"
+        self.stalled = not step.scheduled
+        if self.stalled:
+            # Every admitted request went remote, or KV transfers hold the room it needs.
+            assert self.scheduler.waits_on_transfers(), "work queued but nothing schedulable: a request outgrew the pool"
+            return []
         logits = self.runner.execute(step, self.pool)
         requests = [step.scheduled[index][0] for index in step.sampling_indices()]
         states = [self._sampling[request.request_id] for request in requests]

@@ -22,6 +22,19 @@ Invariants: one owner (the engine's step loop) mutates it, and only between step
 (new requests and aborts wait for a step boundary); every request fits the pool on
 its own (`prompt + max_tokens <= max_model_len <= num_blocks * block_size`, which the
 engine checks), so the oldest request always progresses.
+
+Disaggregation (seed 003) adds two states outside `running`, so preemption never
+frees their blocks:
+- remote-prefilling (decode side): a request flagged `remote_prefill` is admitted as
+  usual, but when its uncached full blocks (all but the last prompt token) are not
+  empty it waits in `remote_prefilling` while a prefill worker fills them;
+  `take_remote_tasks` hands the engine what to ask for. `complete_remote` commits the
+  filled blocks (they are cached and published like computed ones) and moves the
+  request to `running`, where the prompt's tail is computed locally and yields the
+  first token; `fallback_remote` moves it there with nothing filled.
+- held (prefill side, and aborted remote prefills): a request flagged `hold_blocks`
+  keeps its blocks when it finishes, and an aborted remote-prefilling request keeps
+  them too (a transfer may still be writing them), until the engine calls `release`.
 """
 
 from __future__ import annotations
@@ -64,6 +77,17 @@ class RequestState:
     num_cached_tokens: int | None = None  # the prefix hit at first admission
     in_prefill: bool = True  # since the last admission, no token sampled yet
     stop_token_ids: frozenset[int] = frozenset()  # more tokens that end the request ("stop")
+    remote_prefill: bool = False  # decode side: have a prefill worker compute the prompt
+    hold_blocks: bool = False  # prefill side: keep the blocks after finishing, until `release`
+
+
+class RemoteTask(NamedTuple):
+    """A remote prefill to ask for: fill `block_ids`, the prompt's blocks from token
+    `num_cached_tokens` on (full blocks only, the last prompt token excluded)."""
+
+    request: RequestState
+    num_cached_tokens: int
+    block_ids: list[int]
 
 
 @dataclass(slots=True)
@@ -101,6 +125,9 @@ class Scheduler:
         self.pool = pool
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
+        self.remote_prefilling: dict[str, RequestState] = {}
+        self.held: dict[str, RequestState] = {}
+        self._remote_tasks: list[RemoteTask] = []
         self.num_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -113,8 +140,23 @@ class Scheduler:
     def add(self, request: RequestState) -> None:
         self.waiting.append(request)
 
+    def waits_on_transfers(self) -> bool:
+        """True while blocks or slots are held for KV transfers, which may free them:
+        a step that schedules nothing is then a wait, not a request outgrowing the pool."""
+        return bool(self.remote_prefilling or self.held)
+
+    def num_active(self) -> int:
+        """Requests holding a sequence slot: running or remote-prefilling."""
+        return len(self.running) + len(self.remote_prefilling)
+
     def abort(self, request_id: str) -> bool:
-        """Drops a waiting or running request, freeing its blocks; False if unknown."""
+        """Drops an unfinished request, freeing its blocks; False if unknown.
+
+        A remote-prefilling request's blocks are held instead (see `release`)."""
+        request = self.remote_prefilling.pop(request_id, None)
+        if request is not None:
+            self.held[request_id] = request
+            return True
         for queue in (self.waiting, self.running):
             request = next((r for r in queue if r.request_id == request_id), None)
             if request is not None:
@@ -123,6 +165,36 @@ class Scheduler:
                     self.pool.free(request_id)
                 return True
         return False
+
+    def take_remote_tasks(self) -> list[RemoteTask]:
+        """Remote prefills admitted since the last call, for the engine to request."""
+        tasks, self._remote_tasks = self._remote_tasks, []
+        return tasks
+
+    def complete_remote(self, request_id: str, num_tokens: int) -> bool:
+        """The prompt's first `num_tokens` tokens now have their KV: commit them and run
+        the request; False if it is not remote-prefilling (finished, aborted, fell back)."""
+        request = self.remote_prefilling.pop(request_id, None)
+        if request is None:
+            return False
+        self.pool.commit(request_id, num_tokens)
+        self.running.append(request)
+        return True
+
+    def fallback_remote(self, request_id: str) -> bool:
+        """Compute the prompt locally after all; False if it is not remote-prefilling."""
+        request = self.remote_prefilling.pop(request_id, None)
+        if request is None:
+            return False
+        self.running.append(request)
+        return True
+
+    def release(self, request_id: str) -> bool:
+        """Frees a held request's blocks; False if it is not held."""
+        if self.held.pop(request_id, None) is None:
+            return False
+        self.pool.free(request_id)
+        return True
 
     def num_prefill_tokens(self) -> int:
         """Prompt tokens not yet computed, of running requests in prefill and all waiting ones."""
@@ -167,7 +239,10 @@ class Scheduler:
             request.in_prefill = False
             finish_reason = self._finish_reason(request, token_id)
             if finish_reason is not None:
-                self.pool.free(request.request_id)
+                if request.hold_blocks:
+                    self.held[request.request_id] = request
+                else:
+                    self.pool.free(request.request_id)
             results.append(StepResult(request, token_id, finish_reason))
         self.num_generation_tokens += len(results)
         if any(r.finish_reason is not None for r in results):
@@ -214,7 +289,7 @@ class Scheduler:
         return True
 
     def _admit(self, step: Step, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self.num_active() < self.config.max_num_seqs:
             request = self.waiting[0]
             try:
                 num_hit = self.pool.allocate(request.request_id, request.token_ids)
@@ -228,7 +303,22 @@ class Scheduler:
                 request.num_cached_tokens = num_hit
                 self.num_prompt_tokens += request.num_prompt_tokens
                 self.num_cached_prompt_tokens += num_hit
+            if request.remote_prefill and self._may_go_remote(request, num_hit):
+                continue
             budget -= self._add_to_step(step, request, budget)
+
+    def _may_go_remote(self, request: RequestState, num_hit: int) -> bool:
+        """Parks a newly admitted request as remote-prefilling when it has blocks to fill."""
+        request.remote_prefill = False  # asked once: a preempted request recomputes locally
+        size = self.pool.block_size
+        first, stop = num_hit // size, (request.num_prompt_tokens - 1) // size
+        if stop <= first or request.num_output_tokens:
+            return False
+        self.running.remove(request)
+        self.remote_prefilling[request.request_id] = request
+        block_ids = self.pool.block_ids(request.request_id)[first:stop]
+        self._remote_tasks.append(RemoteTask(request, num_hit, block_ids))
+        return True
 
     @staticmethod
     def _finish_reason(request: RequestState, token_id: int) -> str | None:

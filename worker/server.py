@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +77,7 @@ class ServerConfig:
 class ServerState:
     stopping: bool = False
     started_at: int = field(default_factory=lambda: int(time.time()))
+    status: Callable[[], dict[str, Any]] | None = None
 
 
 class WorkerMetrics:
@@ -136,14 +137,22 @@ STATE = web.AppKey("state", ServerState)
 METRICS = web.AppKey("metrics", WorkerMetrics)
 
 
-def create_app(engine: Engine, config: ServerConfig | None = None) -> web.Application:
-    """The worker app; running it starts `engine`, cleaning it up stops it."""
+def create_app(
+    engine: Engine, config: ServerConfig | None = None, *,
+    status: Callable[[], dict[str, Any]] | None = None, collectors: Sequence[Collector] = (),
+) -> web.Application:
+    """The worker app; running it starts `engine`, cleaning it up stops it.
+
+    `status` adds its keys to `/health`'s body; `collectors` add to `/metrics`.
+    """
     config = config or ServerConfig()
     app = web.Application(middlewares=[error_middleware], client_max_size=config.max_body_bytes)
     app[ENGINE] = engine
     app[CONFIG] = config
-    app[STATE] = ServerState()
+    app[STATE] = ServerState(status=status)
     app[METRICS] = WorkerMetrics(engine)
+    for collector in collectors:
+        app[METRICS].registry.register(collector)
     app.cleanup_ctx.append(_engine_ctx)
     app.on_shutdown.append(_mark_stopping)
     app.router.add_post("/v1/completions", completions)
@@ -240,7 +249,8 @@ async def health(request: web.Request) -> web.Response:
         return _json({"status": "stopping"}, 503)
     if not request.app[ENGINE].is_alive:
         return _json({"status": "unavailable"}, 503)
-    return _json({"status": "ok"})
+    status = request.app[STATE].status
+    return _json({"status": "ok", **status()} if status is not None else {"status": "ok"})
 
 
 async def metrics(request: web.Request) -> web.Response:

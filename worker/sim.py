@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -36,6 +36,7 @@ from worker.block_pool import BlockPool
 from worker.engine import EngineOutput, EngineStats, OutputStreams
 from worker.engine_io import EnginePublishers, TokenRate
 from worker.kv_publisher import KVEventPublisher, LoadPublisher
+from worker.remote_prefill import RemoteCounters, RemotePrefills, RemoteRequest
 from worker.scheduler import RequestState, Scheduler, StepResult
 
 logger = logging.getLogger(__name__)
@@ -128,6 +129,7 @@ class SimEngine:
         events_endpoint: str | None = None,
         replay_endpoint: str | None = None,
         load_endpoint: str | None = None,
+        remote_prefill_timeout_s: float = 30.0,
     ) -> None:
         if served.max_model_len > config.num_blocks * config.block_size:
             raise ValueError("max_model_len exceeds the KV cache: num_blocks * block_size")
@@ -136,6 +138,9 @@ class SimEngine:
         self.worker_id = worker_id
         self.pool = BlockPool(config.num_blocks, config.block_size, model=served.name)
         self.scheduler = Scheduler(config, self.pool)
+        self.remote = RemotePrefills(self.scheduler, remote_prefill_timeout_s)
+        self._remote_handler: Callable[[list[RemoteRequest]], None] | None = None
+        self._remote_events: list[tuple[str, str]] = []  # (what, request id): ready, failed, release
         self._passage = served.tokenizer.encode(LOREM).tolist()
         # The load timer task forces periodic reports, so the throttle has no interval of its own.
         self._publishers = EnginePublishers(
@@ -182,6 +187,7 @@ class SimEngine:
             await asyncio.wait(self._tasks)
         self._tasks = []
         self._fail_all(EngineUnavailable("the worker is shutting down"))
+        self.remote.release_all()
         self._publishers.publish_events(self.pool.take_events())
         self._publishers.close()
 
@@ -199,7 +205,11 @@ class SimEngine:
         eos_token_id = self.served.tokenizer.eos_token_id
         script = OutputScript(self._passage, prompt, request.seed, eos_token_id)
         stop_eos = None if request.ignore_eos else eos_token_id
-        state = RequestState(request.request_id, prompt, len(prompt), request.max_tokens, script, stop_eos)
+        state = RequestState(
+            request.request_id, prompt, len(prompt), request.max_tokens, script, stop_eos,
+            remote_prefill=request.remote_prefill and self._remote_handler is not None,
+            hold_blocks=request.hold_blocks,
+        )
         outputs = self._streams.open(request.request_id)
         self._new.append(state)
         self._wake.set()
@@ -211,6 +221,47 @@ class SimEngine:
             self._aborts.add(request_id)
             self._wake.set()
 
+    # -- disaggregation (worker.disagg) ------------------------------------------------
+
+    @property
+    def remote_counters(self) -> RemoteCounters:
+        return self.remote.counters
+
+    def set_remote_handler(self, handler: Callable[[list[RemoteRequest]], None]) -> None:
+        """Where remote prefills go (a `DecodeLink`); without one, every prefill is local."""
+        self._remote_handler = handler
+
+    def remote_ready(self, request_id: str) -> None:
+        self._remote_event("ready", request_id)
+
+    def remote_failed(self, request_id: str) -> None:
+        self._remote_event("failed", request_id)
+
+    def release(self, request_id: str) -> None:
+        """Frees the blocks a `hold_blocks` request kept after finishing."""
+        self._remote_event("release", request_id)
+
+    def _remote_event(self, what: str, request_id: str) -> None:
+        self._remote_events.append((what, request_id))
+        self._wake.set()
+
+    def _apply_remote_events(self, now: float) -> None:
+        for what, request_id in self._remote_events:
+            if what == "ready":
+                self.remote.on_ready(request_id)
+            elif what == "failed":
+                self.remote.on_failed(request_id)
+            else:
+                self.scheduler.release(request_id)
+        self._remote_events.clear()
+        self.remote.expire(now)
+
+    def _hand_over_remote(self, now: float) -> None:
+        requests = self.remote.take_requests(now)
+        if requests:
+            assert self._remote_handler is not None, "remote prefill admitted without a handler"
+            self._remote_handler(requests)
+
     # -- the step loop ---------------------------------------------------------------
 
     async def _run(self) -> None:
@@ -218,13 +269,18 @@ class SimEngine:
         clock = loop.time()
         try:
             while True:
+                self._apply_remote_events(loop.time())
                 self._step_boundary()
-                if not self.scheduler.has_work():
-                    await self._idle()
+                step = self.scheduler.schedule() if self.scheduler.has_work() else None
+                self._hand_over_remote(loop.time())
+                if step is None or not step.scheduled:
+                    # Nothing to compute until new work, remote KV or a deadline arrives.
+                    assert step is None or self.scheduler.waits_on_transfers(), (
+                        "work queued but nothing schedulable: a request outgrew the pool"
+                    )
+                    await self._idle(self.remote.next_due())
                     clock = loop.time()
                     continue
-                step = self.scheduler.schedule()
-                assert step.scheduled, "work queued but nothing schedulable: a request outgrew the pool"
                 seconds = self.config.step_seconds(step.num_prefill_tokens, step.num_decode_seqs)
                 # The clock carries oversleeps into the next step, so long runs keep the model's pace.
                 clock = max(clock, loop.time() - _MAX_LAG_S) + seconds
@@ -235,14 +291,22 @@ class SimEngine:
             self._state = "dead"
             self._fail_all(EngineUnavailable("the engine failed"))
 
-    async def _idle(self) -> None:
+    async def _idle(self, until: float | None) -> None:
         self._wake.clear()
-        await self._wake.wait()
+        if until is None:
+            await self._wake.wait()
+            return
+        timeout = until - asyncio.get_running_loop().time()
+        try:
+            await asyncio.wait_for(self._wake.wait(), max(timeout, 0.0))
+        except TimeoutError:
+            pass
 
     def _step_boundary(self) -> None:
         """Applies aborts and new requests, publishes events and, if due, a load report."""
         for request_id in self._aborts:
             self.scheduler.abort(request_id)
+            self.remote.on_abort(request_id)
             self._streams.discard(request_id)
         if self._aborts:
             self._new = [r for r in self._new if r.request_id not in self._aborts]
@@ -257,6 +321,8 @@ class SimEngine:
         self._rate.add(len(results))
         for request, token_id, finish_reason in results:
             output = EngineOutput([token_id], finish_reason, request.num_cached_tokens or 0)
+            if finish_reason is not None and request.hold_blocks:
+                output.block_ids = self.pool.block_ids(request.request_id)
             self._streams.push(request.request_id, output)
 
     def _fail_all(self, error: Exception) -> None:
@@ -272,7 +338,7 @@ class SimEngine:
             worker_id=self.worker_id,
             dp_rank=0,
             timestamp=time.time(),
-            num_running=len(self.scheduler.running),
+            num_running=self.scheduler.num_active(),
             num_waiting=len(self.scheduler.waiting) + len(self._new),
             num_kv_blocks_used=self.pool.num_used_blocks,
             num_kv_blocks_total=self.pool.num_blocks,

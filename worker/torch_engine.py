@@ -13,6 +13,10 @@ Threads:
   and hands each step's outputs to the loop in one `call_soon_threadsafe`.
 - `OutputStreams` is touched only on the loop; `stats()` reads an immutable snapshot
   the engine thread replaces after every step (and every load interval when idle).
+- disaggregation (`worker.disagg`): the remote-prefill requests the scheduler admits
+  go to the loop's handler in one `call_soon_threadsafe`; KV arrivals (from the
+  transport's thread), unqueued jobs and releases come back as inbox commands. An
+  idle thread waits on the inbox no longer than the next remote-prefill deadline.
 
 Invariants: a request is rejected (`InvalidRequest`, 400) before it is queued unless
 it fits the model and the cache, so no request can kill the engine; if a step raises
@@ -36,6 +40,7 @@ from worker.engine import EngineOutput, EngineStats, OutputStreams
 from worker.engine_core import EngineCore, RequestRejected
 from worker.engine_io import EnginePublishers, TokenRate
 from worker.kv_publisher import KVEventPublisher, LoadPublisher
+from worker.remote_prefill import RemoteCounters, RemotePrefills, RemoteRequest
 from worker.sampling import SamplingParams, sampling_params
 from worker.scheduler import StepResult
 
@@ -47,6 +52,8 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    remote_prefill: bool = False
+    hold_blocks: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +61,15 @@ class _Abort:
     request_id: str
 
 
-_Command = _Add | _Abort | None  # None only wakes the thread
+@dataclass(frozen=True, slots=True)
+class _Remote:
+    """A disaggregation event: "ready" (KV arrived), "failed" (not queued), "release"."""
+
+    what: str
+    request_id: str
+
+
+_Command = _Add | _Abort | _Remote | None  # None only wakes the thread
 
 
 class TorchEngine:
@@ -71,6 +86,7 @@ class TorchEngine:
         load_endpoint: str | None = None,
         load_interval_s: float = 0.1,
         min_load_interval_s: float = 0.02,
+        remote_prefill_timeout_s: float = 30.0,
     ) -> None:
         if served.max_model_len > core.max_model_len:
             raise ValueError(f"max_model_len {served.max_model_len} exceeds the engine's {core.max_model_len}")
@@ -97,6 +113,8 @@ class TorchEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._state = "not started"  # -> running -> stopped, or -> dead if a step failed
         self._rate = TokenRate()
+        self.remote = RemotePrefills(core.scheduler, remote_prefill_timeout_s)
+        self._remote_handler: Callable[[list[RemoteRequest]], None] | None = None
         self._stats = self._snapshot()
 
     @property
@@ -138,6 +156,7 @@ class TorchEngine:
         if self._state == "stopped":  # a dead core's state is not trusted
             for request_id in failed:
                 self.core.abort(request_id)
+            self.remote.release_all()
             self._publishers.publish_events(self.core.pool.take_events())
         self._publishers.close()
 
@@ -160,7 +179,8 @@ class TorchEngine:
             outputs = self._streams.open(request.request_id)
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="request_id") from None
-        self._inbox.put(_Add(request.request_id, prompt, params))
+        remote = request.remote_prefill and self._remote_handler is not None
+        self._inbox.put(_Add(request.request_id, prompt, params, remote, request.hold_blocks))
         return outputs
 
     def abort(self, request_id: str) -> None:
@@ -172,14 +192,36 @@ class TorchEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    # -- disaggregation (event loop or any thread; worker.disagg) ------------------------
+
+    @property
+    def remote_counters(self) -> RemoteCounters:
+        return self.remote.counters
+
+    def set_remote_handler(self, handler: Callable[[list[RemoteRequest]], None]) -> None:
+        """Where remote prefills go (a `DecodeLink`, called on the loop); before `start`."""
+        self._remote_handler = handler
+
+    def remote_ready(self, request_id: str) -> None:
+        self._inbox.put(_Remote("ready", request_id))
+
+    def remote_failed(self, request_id: str) -> None:
+        self._inbox.put(_Remote("failed", request_id))
+
+    def release(self, request_id: str) -> None:
+        """Frees the blocks a `hold_blocks` request kept after finishing."""
+        self._inbox.put(_Remote("release", request_id))
+
     # -- the engine thread -----------------------------------------------------------
 
     def _run(self) -> None:
         try:
             while self._state == "running":
-                self._apply_commands(wait=not self.core.has_work())
+                self._apply_commands(wait=not self.core.has_work() or self.core.stalled)
+                self.remote.expire(time.monotonic())
                 if self.core.has_work() and self._state == "running":
                     self._deliver(self.core.step())
+                    self._hand_over_remote()
                 self._publishers.publish_events(self.core.pool.take_events())
                 self._publishers.may_report(self.load_report)
                 self._stats = self._snapshot()
@@ -189,31 +231,63 @@ class TorchEngine:
             self._call_on_loop(self._streams.fail_all, EngineUnavailable("the engine failed"))
 
     def _apply_commands(self, *, wait: bool) -> None:
-        """Applies queued adds and aborts; when idle, first waits up to a load interval for one."""
+        """Applies queued commands; when idle, first waits for one, up to a load interval
+        or the next remote-prefill deadline."""
         try:
-            command = self._inbox.get(timeout=self._load_interval_s) if wait else self._inbox.get_nowait()
+            command = self._inbox.get(timeout=self._wait_s()) if wait else self._inbox.get_nowait()
+            self.core.stalled = False  # anything that arrives may unblock the scheduler
             while True:
                 if isinstance(command, _Add):
                     self._add(command)
                 elif isinstance(command, _Abort):
                     self.core.abort(command.request_id)
+                    self.remote.on_abort(command.request_id)
+                elif isinstance(command, _Remote):
+                    self._apply_remote(command)
                 command = self._inbox.get_nowait()
         except queue.Empty:
             pass
 
+    def _wait_s(self) -> float:
+        due = self.remote.next_due()
+        if due is None:
+            return self._load_interval_s
+        return min(self._load_interval_s, max(due - time.monotonic(), 0.0))
+
+    def _apply_remote(self, command: _Remote) -> None:
+        if command.what == "ready":
+            self.remote.on_ready(command.request_id)
+        elif command.what == "failed":
+            self.remote.on_failed(command.request_id)
+        else:
+            self.core.scheduler.release(command.request_id)
+
+    def _hand_over_remote(self) -> None:
+        requests = self.remote.take_requests(time.monotonic())
+        if requests:
+            assert self._remote_handler is not None, "remote prefill admitted without a handler"
+            self._call_on_loop(self._remote_handler, requests)
+
     def _add(self, command: _Add) -> None:
         # NOTE: cannot be rejected: `submit` checked it, its id has an open stream (so no
         # other unfinished request holds it), and the inbox applies an abort before a re-add.
-        self.core.add_request(command.request_id, command.prompt_token_ids, command.params)
+        self.core.add_request(
+            command.request_id, command.prompt_token_ids, command.params,
+            remote_prefill=command.remote_prefill, hold_blocks=command.hold_blocks,
+        )
 
     def _deliver(self, results: list[StepResult]) -> None:
         self._rate.add(len(results))
         if results:
-            outputs = [
-                (r.request.request_id, EngineOutput([r.token_id], r.finish_reason, r.request.num_cached_tokens or 0))
-                for r in results
-            ]
+            outputs = [(r.request.request_id, self._output(r)) for r in results]
             self._call_on_loop(self._push_all, outputs)
+
+    def _output(self, result: StepResult) -> EngineOutput:
+        request = result.request
+        output = EngineOutput([result.token_id], result.finish_reason, request.num_cached_tokens or 0)
+        if result.finish_reason is not None and request.hold_blocks:
+            output.block_ids = self.core.pool.block_ids(request.request_id)
+        return output
 
     def _push_all(self, outputs: list[tuple[str, EngineOutput]]) -> None:
         for request_id, output in outputs:
@@ -234,7 +308,7 @@ class TorchEngine:
             worker_id=self.worker_id,
             dp_rank=0,
             timestamp=time.time(),
-            num_running=len(scheduler.running),
+            num_running=scheduler.num_active(),
             num_waiting=len(scheduler.waiting),
             num_kv_blocks_used=pool.num_used_blocks,
             num_kv_blocks_total=pool.num_blocks,
