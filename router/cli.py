@@ -28,9 +28,9 @@ from typing import Any
 # checks required values instead.
 COMMANDS: dict[str, tuple[str, str]] = {
     "events": ("router.events_cmd", "follow workers' KV events into a prefix index and print it"),
-    "worker": ("worker.worker_cmd", "run a worker: the simulated engine (sim)"),
+    "worker": ("worker.worker_cmd", "run a worker: the reference torch engine or the simulated one (sim)"),
     "router": ("router.router_cmd", "run the gateway: OpenAI API, KV-aware routing, admin API, metrics"),
-    "up": ("router.up_cmd", "run a router and N local sim workers in one command"),
+    "up": ("router.up_cmd", "run a router and N local workers in one command"),
     "sidecar": ("worker.sidecar_cmd", "run beside a vLLM or SGLang engine: register it, relay its KV events, report its load"),
 }
 

@@ -49,7 +49,6 @@ from worker.dp_participant import Decision, DPGroupLost, DPParticipant
 from worker.engine import EngineOutput
 from worker.engine_core import EngineCore
 from worker.engine_io import EnginePublishers
-from worker.kv_publisher import KVEventPublisher, LoadPublisher
 from worker.model_runner import ModelInputs, ModelRunner, sub_batch
 from worker.models import AttentionMetadata, MoETransformer
 from worker.models.moe import MoE
@@ -250,27 +249,6 @@ def make_dp_runner(meter: CommMeter, dbo: DboConfig, metrics: DPMetrics) -> Call
     )
 
 
-class _RankPublishers(EnginePublishers):
-    """`EnginePublishers` whose KV event batches carry this rank's `data_parallel_rank`."""
-
-    def __init__(self, dp_rank: int, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._dp_rank = dp_rank
-
-    def open(self) -> None:
-        events_endpoint, replay_endpoint, load_endpoint = self._endpoints
-        try:
-            if events_endpoint is not None:
-                self.kv_publisher = KVEventPublisher(
-                    events_endpoint, replay_endpoint, data_parallel_rank=self._dp_rank
-                ).start()
-            if load_endpoint is not None:
-                self.load_publisher = LoadPublisher(load_endpoint)
-        except BaseException:
-            self.close()
-            raise
-
-
 class DPTorchEngine(TorchEngine):
     """A `TorchEngine` for one DP rank: the participant decides each step."""
 
@@ -294,9 +272,9 @@ class DPTorchEngine(TorchEngine):
         self._drain_timeout_s = drain_timeout_s
         self._drain_quiet_s = drain_quiet_s
         self._drain_deadline: float | None = None  # set by `stop`
-        self._publishers = _RankPublishers(
-            self.dp_rank, events_endpoint, replay_endpoint, load_endpoint,
-            min_load_interval_s=min_load_interval_s, load_interval_s=load_interval_s,
+        self._publishers = EnginePublishers(
+            events_endpoint, replay_endpoint, load_endpoint, min_load_interval_s=min_load_interval_s,
+            load_interval_s=load_interval_s, data_parallel_rank=self.dp_rank,
         )
 
     def submit(self, request: GenerateRequest) -> AsyncGenerator[EngineOutput, None]:

@@ -47,11 +47,14 @@ class EnginePublishers:
         *,
         min_load_interval_s: float,
         load_interval_s: float | None = None,
+        data_parallel_rank: int | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
         """`load_interval_s=None`: `may_report` never reports unchanged load on its own,
-        the caller forces a report on its own timer instead (the sim's timer task)."""
+        the caller forces a report on its own timer instead (the sim's timer task).
+        `data_parallel_rank`: set on every KV event batch (a DP rank's engine)."""
         self._endpoints = (events_endpoint, replay_endpoint, load_endpoint)
+        self._data_parallel_rank = data_parallel_rank
         self._min_load_interval_s = min_load_interval_s
         self._load_interval_s = load_interval_s
         self._clock = clock
@@ -65,7 +68,9 @@ class EnginePublishers:
         events_endpoint, replay_endpoint, load_endpoint = self._endpoints
         try:
             if events_endpoint is not None:
-                self.kv_publisher = KVEventPublisher(events_endpoint, replay_endpoint).start()
+                self.kv_publisher = KVEventPublisher(
+                    events_endpoint, replay_endpoint, data_parallel_rank=self._data_parallel_rank
+                ).start()
             if load_endpoint is not None:
                 self.load_publisher = LoadPublisher(load_endpoint)
         except BaseException:
