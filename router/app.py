@@ -140,7 +140,7 @@ async def models(request: web.Request) -> web.Response:
     gateway.authorize(request)
     data = [
         {"id": model, "object": "model", "created": gateway.started_at, "owned_by": "kvgate"}
-        for model in gateway.registry.healthy_models()
+        for model in gateway.registry.healthy_models(SERVING_ROLES)  # prefill workers answer no client
     ]
     return web.json_response({"object": "list", "data": data})
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import zmq.asyncio
 
@@ -204,9 +204,12 @@ class WorkerRegistry:
     def eligible(self) -> list[Worker]:
         return [worker for worker in self.workers.values() if worker.is_eligible]
 
-    def healthy_models(self) -> list[str]:
-        """Models served by at least one healthy worker, sorted, each once."""
-        return sorted({w.spec.model for w in self.workers.values() if w.health.status == HEALTHY})
+    def healthy_models(self, roles: Collection[str] | None = None) -> list[str]:
+        """Models served by at least one healthy worker (of one of `roles`, if given), sorted, each once."""
+        return sorted({
+            w.spec.model for w in self.workers.values()
+            if w.health.status == HEALTHY and (roles is None or w.spec.role in roles)
+        })
 
     def num_index_blocks(self, worker_id: str) -> int:
         worker = self.workers.get(worker_id)

@@ -118,7 +118,7 @@ async def test_drain_and_breaker_take_a_worker_out_of_rotation(serve, wait_until
     registry = WorkerRegistry(LoadAggregator(), health_config=FAST, breaker_config=BreakerConfig(failure_threshold=1))
     try:
         worker, _ = await registry.add(WorkerSpec(worker_id="a", url=url, model="m"))
-        other, _ = await registry.add(WorkerSpec(worker_id="b", url=url, model="n", block_size=32))
+        other, _ = await registry.add(WorkerSpec(worker_id="b", url=url, model="n", block_size=32, role="prefill"))
         await wait_until(lambda: worker.is_eligible and other.is_eligible)
         assert registry.drain("a") is worker and not worker.is_eligible
         assert registry.eligible() == [other]
@@ -128,6 +128,7 @@ async def test_drain_and_breaker_take_a_worker_out_of_rotation(serve, wait_until
         assert registry.drain("nobody") is None
         assert sorted(registry.indexes) == [16, 32]
         assert registry.healthy_models() == ["m", "n"]
+        assert registry.healthy_models({"both", "decode"}) == ["m"]  # "n" has only a prefill worker
     finally:
         await registry.close()
 
