@@ -287,18 +287,9 @@ async def _serve(args: argparse.Namespace, engine: DPTorchEngine, dp_rank: int) 
     except (OSError, zmq.ZMQError) as exc:
         logger.error("cannot start DP rank %d: %s", dp_rank, exc)
         return 1
-    ready = {
-        "event": "ready",
-        "url": url,
-        "events_endpoint": engine.kv_publisher.bound_endpoint if engine.kv_publisher else None,
-        "replay_endpoint": engine.kv_publisher.bound_replay_endpoint if engine.kv_publisher else None,
-        "load_endpoint": engine.load_publisher.bound_endpoint if engine.load_publisher else None,
-        "worker_id": args.worker_id,
-        "model": engine.served.name,
-        "block_size": args.block_size,
-        "dp_rank": dp_rank,
-        "pid": os.getpid(),
-    }
+    ready = worker_cmd.ready_message(
+        engine, url, args.worker_id, args.block_size, role=args.role, dp_rank=dp_rank, pid=os.getpid()
+    )
     # NOTE: one write() per line: the ranks share the launcher's stdout.
     sys.stdout.flush()
     os.write(sys.stdout.fileno(), (json.dumps(ready) + "\n").encode())

@@ -100,6 +100,18 @@ class RemotePrefills:
         self.counters.num_fallback_unqueued += 1
         return self.scheduler.fallback_remote(request_id)
 
+    def apply(self, event: str, request_id: str) -> None:
+        """An engine's queued disaggregation event: "ready" (`on_ready`), "failed"
+        (`on_failed`) or "release" (a `hold_blocks` request's blocks are done with)."""
+        if event == "ready":
+            self.on_ready(request_id)
+        elif event == "failed":
+            self.on_failed(request_id)
+        elif event == "release":
+            self.scheduler.release(request_id)
+        else:
+            raise ValueError(f"unknown remote prefill event {event!r}")
+
     def on_abort(self, request_id: str) -> None:
         """Call after `Scheduler.abort`: a remote-prefilling request's blocks are held until
         its deadline plus the grace, then freed by `expire`."""

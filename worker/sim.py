@@ -246,13 +246,8 @@ class SimEngine:
         self._wake.set()
 
     def _apply_remote_events(self, now: float) -> None:
-        for what, request_id in self._remote_events:
-            if what == "ready":
-                self.remote.on_ready(request_id)
-            elif what == "failed":
-                self.remote.on_failed(request_id)
-            else:
-                self.scheduler.release(request_id)
+        for event, request_id in self._remote_events:
+            self.remote.apply(event, request_id)
         self._remote_events.clear()
         self.remote.expire(now)
 

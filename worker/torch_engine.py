@@ -243,7 +243,7 @@ class TorchEngine:
                     self.core.abort(command.request_id)
                     self.remote.on_abort(command.request_id)
                 elif isinstance(command, _Remote):
-                    self._apply_remote(command)
+                    self.remote.apply(command.what, command.request_id)
                 command = self._inbox.get_nowait()
         except queue.Empty:
             pass
@@ -253,14 +253,6 @@ class TorchEngine:
         if due is None:
             return self._load_interval_s
         return min(self._load_interval_s, max(due - time.monotonic(), 0.0))
-
-    def _apply_remote(self, command: _Remote) -> None:
-        if command.what == "ready":
-            self.remote.on_ready(command.request_id)
-        elif command.what == "failed":
-            self.remote.on_failed(command.request_id)
-        else:
-            self.core.scheduler.release(command.request_id)
 
     def _hand_over_remote(self) -> None:
         requests = self.remote.take_requests(time.monotonic())

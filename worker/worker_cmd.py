@@ -266,17 +266,7 @@ async def _serve(
     except (OSError, zmq.ZMQError) as exc:
         logger.error("cannot start the worker: %s", exc)
         return 1
-    ready = {
-        "event": "ready",
-        "url": url,
-        "events_endpoint": engine.kv_publisher.bound_endpoint if engine.kv_publisher else None,
-        "replay_endpoint": engine.kv_publisher.bound_replay_endpoint if engine.kv_publisher else None,
-        "load_endpoint": engine.load_publisher.bound_endpoint if engine.load_publisher else None,
-        "worker_id": worker_id,
-        "model": served.name,
-        "block_size": block_size,
-        "role": args.role,
-    }
+    ready = ready_message(engine, url, worker_id, block_size, role=args.role)
     print(json.dumps(ready), flush=True)
     logger.info("worker %s serving %s at %s", worker_id, served.name, url)
     registrar = None
@@ -291,6 +281,24 @@ async def _serve(
             await registrar.close()
         await runner.cleanup()
     return 0
+
+
+def ready_message(
+    engine: SimEngine | TorchEngine, url: str, worker_id: str, block_size: int, **extra: Any
+) -> dict[str, Any]:
+    """The JSON ready line: where this worker serves and publishes (bound addresses)."""
+    kv, load = engine.kv_publisher, engine.load_publisher
+    return {
+        "event": "ready",
+        "url": url,
+        "events_endpoint": kv.bound_endpoint if kv else None,
+        "replay_endpoint": kv.bound_replay_endpoint if kv else None,
+        "load_endpoint": load.bound_endpoint if load else None,
+        "worker_id": worker_id,
+        "model": engine.served.name,
+        "block_size": block_size,
+        **extra,
+    }
 
 
 def _registration(args: argparse.Namespace, ready: dict[str, Any]) -> dict[str, Any]:

@@ -172,3 +172,12 @@ def test_tracker_frees_an_aborted_request_blocks_after_deadline_plus_grace():
 def test_tracker_rejects_a_nonpositive_timeout():
     with pytest.raises(ValueError, match="timeout"):
         RemotePrefills(scheduler(), 0.0)
+
+
+def test_tracker_applies_queued_events_by_name():
+    sched, remote = tracked()
+    remote.take_requests(now=0.0)
+    remote.apply("ready", "a")
+    assert remote.counters.num_completed == 1
+    with pytest.raises(ValueError, match="unknown remote prefill event 'late'"):
+        remote.apply("late", "a")
