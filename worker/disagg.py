@@ -35,7 +35,7 @@ from typing import Protocol
 
 from kvstore.prefill_job import ClaimedJob, PrefillJob
 from kvstore.prefill_queue import PrefillQueue, QueueUnavailable
-from kvstore.transfer import KVTransferError
+from kvstore.transfer import KVTransferError, ReceiverEndpoint
 from worker.api import ApiError, EngineUnavailable, GenerateRequest
 from worker.engine import Engine
 from worker.remote_prefill import RemoteRequest
@@ -153,8 +153,6 @@ class DecodeLink:
 
 
 def _describe(endpoints: list[bytes]) -> str:
-    from kvstore.transfer import ReceiverEndpoint
-
     if not endpoints:
         return ""
     first = ReceiverEndpoint.from_bytes(endpoints[0])
