@@ -11,18 +11,14 @@ import json
 import os
 import random
 import re
-import select
-import signal
-import subprocess
-import sys
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).parents[2]
+from tests.e2e.test_gateway_up import Up, kvgate_up
+
 REDIS_URL = os.environ.get("KVGATE_REDIS_URL", "redis://127.0.0.1:6379")
 MODEL = "kvgate-moe-tiny"
 # Short prompts stay local (<= --max-local-prefill-tokens 256 uncached), long ones go remote.
@@ -33,37 +29,9 @@ PROMPTS = {
 }
 
 
-@contextmanager
-def kvgate_up(tmp_path: Path, *args: str) -> Iterator[dict]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
-    env["PYTHONPATH"] = str(REPO_ROOT)
-    log = open(tmp_path / f"up-{len(list(tmp_path.iterdir()))}.log", "w+")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "up", "--port", "0", "--log-level", "WARNING",
-         "--max-local-prefill-tokens", "256", *args],
-        stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=REPO_ROOT,
-    )
-    try:
-        readable, _, _ = select.select([proc.stdout], [], [], 90)
-        assert readable, "kvgate up printed nothing in 90 s"
-        line = proc.stdout.readline()
-        assert line, _log(log)
-        ready = json.loads(line)
-        ready["banner"] = proc.stdout.readline()
-        yield ready
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0, _log(log)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-        log.close()
-
-
-def _log(log) -> str:
-    log.seek(0)
-    return log.read()
+def disagg_up(tmp_path: Path, *args: str) -> AbstractContextManager[Up]:
+    """`kvgate up` with this module's local-prefill limit; see `kvgate_up`."""
+    return kvgate_up(tmp_path, "--max-local-prefill-tokens", "256", *args, ready_timeout_s=90)
 
 
 def complete(url: str, prompt: str) -> tuple[str, str | None]:
@@ -82,18 +50,19 @@ def metric(url: str, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def aggregated_answers(tmp_path_factory) -> dict[str, str]:
-    with kvgate_up(tmp_path_factory.mktemp("agg"), "--workers", "1") as ready:
-        return {name: complete(ready["url"], prompt)[0] for name, prompt in PROMPTS.items()}
+    with disagg_up(tmp_path_factory.mktemp("agg"), "--workers", "1") as up:
+        return {name: complete(up.ready["url"], prompt)[0] for name, prompt in PROMPTS.items()}
 
 
 # The in-process fleet moves KV over the default transport (NIXL when installed), the Redis one over TCP.
 @pytest.mark.parametrize("queue", ["in-process", "redis"])
 def test_disagg_fleet_answers_like_aggregated_serving(tmp_path, aggregated_answers, queue):
     extra = ("--redis", REDIS_URL, "--worker-arg=--kv-transport=tcp") if queue == "redis" else ()
-    with kvgate_up(tmp_path, "--disagg", "--workers", "2", *extra) as ready:
+    with disagg_up(tmp_path, "--disagg", "--workers", "2", *extra) as up:
+        ready = up.ready
         roles = sorted(worker["role"] for worker in ready["workers"])
         assert roles == ["decode", "prefill"]
-        assert "1 decode + 1 prefill torch workers" in ready["banner"]
+        assert "1 decode + 1 prefill torch workers" in up.banner[0]
         answers = {}
         for name, prompt in PROMPTS.items():
             text, prefill = complete(ready["url"], prompt)

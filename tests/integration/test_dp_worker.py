@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import aiohttp
@@ -31,9 +32,8 @@ from indexer.index import PrefixIndex
 from indexer.load import LoadAggregator, LoadSubscriber
 from indexer.subscriber import EventSubscriber
 from indexer.tokenizer import ByteTokenizer, prompt_ids
-from worker.engine_core import EngineConfig, EngineCore
-from worker.models import ModelConfig
-from worker.sampling import SamplingParams
+from tests.integration.test_torch_worker import greedy_text as engine_greedy_text
+from tests.integration.test_torch_worker import wait_until
 
 REPO_ROOT = Path(__file__).parents[2]
 TOK = ByteTokenizer()
@@ -86,12 +86,8 @@ async def dp_group(tmp_path):
         await proc.wait()
 
 
-def greedy_text(prompt: str, max_tokens: int) -> str:
-    """The single-process engine's answer: the same seeded model, greedy, in this process."""
-    config = EngineConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
-    core = EngineCore(config, ModelConfig(), model_name=MODEL, eos_token_id=TOK.eos_token_id)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return TOK.decode(core.generate([prompt_ids(TOK, prompt).tolist()], params)[0])
+# The single-process engine's answer: the same seeded model, greedy, in this process.
+greedy_text = partial(engine_greedy_text, model=MODEL, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
 
 
 async def complete(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int) -> str:
@@ -169,8 +165,8 @@ async def test_ep_ranks_serve_like_one_worker(dp_group):
             await eventually(same_step_counts)
         ids = prompt_ids(TOK, PROMPTS[0])
         hashes = hash_prompt(ids, BLOCK_SIZE, MODEL)
-        await wait_for(lambda: index.find_matches(hashes) == {("dp-it-dp1", 1): len(ids) // BLOCK_SIZE})
-        await wait_for(lambda: aggregator.get(("dp-it-dp1", 1)) is not None)
+        await wait_until(lambda: index.find_matches(hashes) == {("dp-it-dp1", 1): len(ids) // BLOCK_SIZE})
+        await wait_until(lambda: aggregator.get(("dp-it-dp1", 1)) is not None)
         assert aggregator.get(("dp-it-dp1", 1)).num_kv_blocks_total == NUM_BLOCKS
         assert aggregator.get(("dp-it-dp1", 0)) is None
     finally:
@@ -222,10 +218,3 @@ async def test_dbo_keeps_greedy_tokens_and_counts_microbatched_steps(dp_group):
     text = "".join(b["choices"][0]["text"] for b in bodies)
     assert text == greedy_text(PROMPTS[1], 120)
     assert await asyncio.wait_for(launcher.wait(), timeout=30) == 0
-
-
-async def wait_for(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)

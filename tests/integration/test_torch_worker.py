@@ -64,10 +64,15 @@ async def worker(tmp_path):
         await proc.wait()
 
 
-def greedy_text(prompt: str, max_tokens: int) -> str:
-    """What the worker must answer: the same seeded model and greedy decoding, in-process."""
-    config = EngineConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
-    core = EngineCore(config, ModelConfig(), model_name=MODEL, eos_token_id=TOK.eos_token_id)
+def greedy_text(
+    prompt: str, max_tokens: int, *, model: str = MODEL, block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS,
+) -> str:
+    """What a torch worker must answer: the same seeded model and greedy decoding, in-process.
+
+    Also the reference of `test_dp_worker.py`, for its model name and cache shape.
+    """
+    config = EngineConfig(block_size=block_size, num_blocks=num_blocks)
+    core = EngineCore(config, ModelConfig(), model_name=model, eos_token_id=TOK.eos_token_id)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return TOK.decode(core.generate([prompt_ids(TOK, prompt).tolist()], params)[0])
 
