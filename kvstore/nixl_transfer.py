@@ -118,7 +118,10 @@ def load_nixl() -> Any:
 def _new_agent(role: str, thread_safe: bool) -> Any:
     nixl = load_nixl()
     sync = nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT if thread_safe else None
-    config = nixl.nixl_agent_config(backends=["UCX"], sync_mode=sync)
+    # NOTE: no progress thread: NIXL's busy-polls a core for as long as the agent lives,
+    # idle or not. Progress is driven by the calls that wait: the sender's transfer-state
+    # checks and the receiver's notification polling.
+    config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"], sync_mode=sync)
     agent = nixl.nixl_agent(f"kvgate-{role}-{uuid.uuid4().hex}", config)
     if "UCX" not in agent.backends:
         raise NixlUnavailableError("NIXL has no UCX backend plugin; reinstall the `transfer` extra")
