@@ -17,7 +17,9 @@ to the children in their environment.
 
 Invariants:
 - Every child started is stopped: on SIGTERM or Ctrl-C, on a startup failure, or on
-  any error, each child gets SIGTERM, then SIGKILL after `--stop-timeout` seconds.
+  any error, each child gets SIGTERM, then SIGKILL after `--stop-timeout` seconds;
+  if this process is killed outright, Linux sends every child SIGTERM (a parent-death
+  signal set in the child).
 - A child that exits while the fleet runs is reported on stderr with its exit code;
   the router keeps serving with the others (its health checks drop the dead one).
 - Children do not inherit `KVGATE_*` variables: those configure this command, and
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import json
 import logging
 import os
@@ -55,6 +58,7 @@ ENGINES = ("torch", "sim")  # what `kvgate worker --engine` runs
 logger = logging.getLogger("kvgate.up")
 _REPO_ROOT = str(Path(__file__).resolve().parents[1])
 _FREE_ZMQ = "tcp://127.0.0.1:*"
+_PR_SET_PDEATHSIG = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,9 +125,16 @@ async def _start_child(
     queue_url, token = (queue.worker_url, queue.worker_token) if queue is not None else ("", "")
     process = await asyncio.create_subprocess_exec(
         *_worker_command(args, name, model, role, queue_url), stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, env=_child_env(token),
+        stdout=asyncio.subprocess.PIPE, env=_child_env(token), preexec_fn=_die_with_parent,
     )
     return Child(name, process)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM it if this process dies, even by SIGKILL (Linux)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 async def _open_queue(args: argparse.Namespace) -> QueuePlan | None:

@@ -29,6 +29,7 @@ class Up:
     ready: dict
     banner: list[str]
     log_path: Path
+    pid: int
 
     def log_text(self) -> str:
         return self.log_path.read_text()
@@ -54,9 +55,10 @@ def kvgate_up(tmp_path: Path, *args: str, ready_timeout_s: float = 60.0, stop_ti
         assert readable, f"kvgate up printed nothing in {ready_timeout_s:g} s"
         line = proc.stdout.readline()
         assert line, log_path.read_text()
-        yield Up(json.loads(line), [proc.stdout.readline() for _ in range(NUM_BANNER_LINES)], log_path)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=stop_timeout_s) == 0, log_path.read_text()
+        yield Up(json.loads(line), [proc.stdout.readline() for _ in range(NUM_BANNER_LINES)], log_path, proc.pid)
+        if proc.poll() is None:  # a test may have killed it on purpose
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=stop_timeout_s) == 0, log_path.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -111,3 +113,12 @@ def test_up_by_default_serves_the_reference_model_as_the_banner_says(tmp_path):
         chunks = [json.loads(event) for event in events[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
         assert up.ready["workers"][0]["model"] == "kvgate-moe-tiny"
+
+
+def test_workers_do_not_outlive_a_killed_up(tmp_path):
+    with kvgate_up(tmp_path, "--engine", "sim", "--workers", "2", ready_timeout_s=30) as up:
+        os.kill(up.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while not all(_gone(worker["pid"]) for worker in up.ready["workers"]):
+            assert time.monotonic() < deadline, "a worker outlived its kvgate up"
+            time.sleep(0.05)
