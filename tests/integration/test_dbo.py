@@ -3,9 +3,11 @@
 One launch of two rank processes (this file, torchrun's environment) checks, on every
 rank: the DP-wide split agreement (`agree_split`) for vetoes, padding and the
 prefill threshold; that DBO output equals the plain EP output (float32, atol 1e-5)
-for uneven batches, a padded batch and an empty micro-batch; and a soak of 2000 steps
-whose per-rank token counts differ (zero included), every step agreeing on the split
-and matching the single-rank MoE. Each rank prints one JSON line the test asserts on.
+for uneven batches, a padded batch and an empty micro-batch, with the all-to-alls
+issued by the micro-batch threads and through a `CommStreamBackend`; and a soak of
+2000 steps whose per-rank token counts differ (zero included), alternating the two,
+every step agreeing on the split and matching the single-rank MoE. Each rank prints
+one JSON line the test asserts on.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def test_dbo_across_two_gloo_ranks() -> None:
         }, r
         for name in ("uneven", "padded", "empty_ubatch"):
             assert r["max_err"][name] <= ATOL, (name, r)
+            assert r["max_err_stream"][name] <= ATOL, (name, r)
         assert r["soak"]["max_err"] <= ATOL, r
         assert r["soak"]["num_steps"] == NUM_SOAK_STEPS
         # Steps where both ranks had >= 2 tokens split, the rest ran plainly.
@@ -100,7 +103,7 @@ def _equality_cases(layers, rank: int) -> dict:
     return errs
 
 
-def _soak(layer, moe, rank: int) -> dict:
+def _soak(layers, moe, rank: int) -> dict:
     from worker.moe.dbo import DboConfig, maybe_dbo_forward
 
     config = DboConfig(enable_dbo=True, dbo_decode_token_threshold=2)
@@ -109,7 +112,8 @@ def _soak(layer, moe, rank: int) -> dict:
     max_err = 0.0
     for step in range(NUM_SOAK_STEPS):
         x = torch.randn(_soak_tokens(step, rank), 32, generator=gen)
-        out, split = maybe_dbo_forward(layer, x, has_prefill=False, config=config)
+        # Even steps: collectives issued by the micro-batch threads; odd: by the stream.
+        out, split = maybe_dbo_forward(layers[step % 2], x, has_prefill=False, config=config)
         num_split += split
         num_expected += min(_soak_tokens(step, r) for r in range(WORLD_SIZE)) >= 2
         max_err = max(max_err, _max_err(out, moe(x)))
@@ -126,18 +130,23 @@ def _rank_main() -> None:
     from worker.models.config import ModelConfig
     from worker.models.moe import MoE
     from worker.moe import ExpertParallelMoE
+    from worker.moe.a2a_stream import CommStreamBackend
     from worker.moe.a2a_torch import init_process_group_from_env
 
     torch.set_num_threads(1)
     backend = init_process_group_from_env("gloo")
+    stream = CommStreamBackend(backend)
     config = ModelConfig(hidden_size=32, num_experts=6, moe_intermediate_size=24, shared_expert_intermediate_size=16)
     result: dict = {"rank": backend.rank, "agree": _agreement_cases(backend.rank)}
     with torch.no_grad():
         torch.manual_seed(0)
         moes = [MoE(config) for _ in range(2)]
         layers = [ExpertParallelMoE.from_moe(config, moe, backend) for moe in moes]
+        stream_layers = [ExpertParallelMoE.from_moe(config, moe, stream) for moe in moes]
         result["max_err"] = _equality_cases(layers, backend.rank)
-        result["soak"] = _soak(layers[0], moes[0], backend.rank)
+        result["max_err_stream"] = _equality_cases(stream_layers, backend.rank)
+        result["soak"] = _soak([layers[0], stream_layers[0]], moes[0], backend.rank)
+    stream.close()
     torch.distributed.destroy_process_group()
     print(json.dumps(result), flush=True)
 

@@ -3,8 +3,9 @@
 Each test launches `world_size` copies of this file as rank processes (torchrun's
 environment: RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT), joined in a gloo
 group. Every rank builds the same full `MoE` from one seed, keeps its shard in an
-`ExpertParallelMoE`, and checks three scenarios against the full layer on its own
-tokens; it prints one JSON line that the test asserts on.
+`ExpertParallelMoE`, and checks its scenarios against the full layer on its own
+tokens (random routing, two dispatches in flight at once, skewed routing, and the
+same through a `CommStreamBackend`); it prints one JSON line that the test asserts on.
 
 Tolerance: float32, atol 1e-5 (the EP path sums the same products in a different
 order). Ranks hold different numbers of tokens, one holds none.
@@ -39,6 +40,7 @@ def test_ep_matches_single_rank(world_size: int, num_experts: int) -> None:
         assert r["max_err_random"] <= ATOL, r
         assert r["max_err_skewed"] <= ATOL, r
         assert r["max_err_overlap"] <= ATOL, r
+        assert r["max_err_stream"] <= ATOL, r
         assert r["a2a_handle"] == "TorchWorkHandle"
         assert r["a2a_exact"] is True
     # Skewed routing: every token's top-k experts live on rank 0, so only it receives.
@@ -100,6 +102,7 @@ def _rank_main(num_experts: int) -> None:
     from worker.models.config import ModelConfig
     from worker.models.moe import MoE
     from worker.moe import ExpertParallelMoE, ExpertPlacement
+    from worker.moe.a2a_stream import CommStreamBackend
     from worker.moe.a2a_torch import init_process_group_from_env
 
     torch.set_num_threads(1)
@@ -121,6 +124,12 @@ def _rank_main(num_experts: int) -> None:
         xs = [_tokens(rank, config.hidden_size, seed=2), _tokens(rank, config.hidden_size, seed=3)]
         outs = _overlapped(layer, xs)
         result["max_err_overlap"] = max(_max_err(o, moe(x)) for o, x in zip(outs, xs))
+
+        stream = CommStreamBackend(backend)
+        stream_layer = ExpertParallelMoE.from_moe(config, moe, stream, placement)
+        outs = [stream_layer(xs[0]), *_overlapped(stream_layer, xs)]
+        result["max_err_stream"] = max(_max_err(o, moe(x)) for o, x in zip(outs, [xs[0], *xs]))
+        stream.close()
 
         x = _skew_to_rank0(moe, placement, _tokens(rank, config.hidden_size, seed=4))
         layer = ExpertParallelMoE.from_moe(config, moe, backend, placement)

@@ -2,7 +2,8 @@
 single-process implementation.
 
 Owns `AllToAllBackend` (what dispatch/combine need from a transport), `AllToAllHandle`
-(an exchange in flight) and `SingleProcessBackend` (EP size 1: every exchange is the
+(an exchange in flight), `CountedHandle` (one whose receive counts arrive with it),
+`KnownCountsHandle` and `SingleProcessBackend` (EP size 1: every exchange is the
 identity, already complete).
 
 The interface is split in two on purpose. `exchange_counts` is a small blocking step
@@ -11,11 +12,16 @@ The interface is split in two on purpose. `exchange_counts` is a small blocking 
 (another micro-batch, the shared expert) and call `handle.wait()` when it needs the
 rows. A Dual Batch Overlap scheduler yields between the start and the wait; a kernel
 library with its own receive hooks (DeepEP) fits the same shape as another backend.
+`start_all_to_all_v` joins the two for a dispatch: by default it blocks for the counts
+and starts the rows; a backend that can also defer the count exchange
+(`worker.moe.a2a_stream.CommStreamBackend`) returns at once, so a micro-batch that
+yields right after it loses no compute time to the ranks lining up.
 
 Invariants: on every rank the calls happen in the same order (they are collectives);
 `send_counts[r]` rows go to rank r, in rank order; the result holds `recv_counts[r]`
 rows from rank r, in rank order.
-Callers: `worker.moe.dispatch`; implementations: this module and `worker.moe.a2a_torch`.
+Callers: `worker.moe.dispatch`; implementations: this module, `worker.moe.a2a_torch`,
+and the wrappers `worker.moe.a2a_emulated` and `worker.moe.a2a_stream`.
 """
 
 from __future__ import annotations
@@ -32,6 +38,39 @@ class AllToAllHandle(Protocol):
     def is_completed(self) -> bool: ...
 
     def wait(self) -> torch.Tensor: ...
+
+
+class CountedHandle(Protocol):
+    """A started exchange whose receive counts were not known when it was started."""
+
+    def is_completed(self) -> bool: ...
+
+    def wait(self) -> torch.Tensor: ...
+
+    def recv_counts(self) -> list[int]: ...
+
+
+class KnownCountsHandle:
+    """A `CountedHandle` over a plain handle whose receive counts are already known."""
+
+    __slots__ = ("_inner", "_recv_counts")
+
+    def __init__(self, inner: AllToAllHandle, recv_counts: list[int]) -> None:
+        self._inner = inner
+        self._recv_counts = recv_counts
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def wait(self) -> torch.Tensor:
+        return self._inner.wait()
+
+    def recv_counts(self) -> list[int]:
+        return self._recv_counts
+
+    def __getattr__(self, name: str):
+        # NOTE: optional handle attributes (a backend's `recv_hook`) stay visible.
+        return getattr(self._inner, name)
 
 
 class CompletedHandle:
@@ -71,6 +110,13 @@ class AllToAllBackend(ABC):
     ) -> AllToAllHandle:
         """Start sending `rows` (dim 0 split by `send_counts`); the handle yields the
         `sum(recv_counts)` received rows, same trailing shape and dtype."""
+
+    def start_all_to_all_v(self, rows: torch.Tensor, send_counts: Sequence[int]) -> CountedHandle:
+        """Start sending `rows` without knowing the receive counts yet: the counts are
+        exchanged first, then the rows. This default blocks for the count exchange;
+        a backend that can run both behind the handle overrides it."""
+        recv_counts = self.exchange_counts(send_counts)
+        return KnownCountsHandle(self.all_to_all(rows, send_counts, recv_counts), recv_counts)
 
 
 def check_counts(backend: AllToAllBackend, rows: torch.Tensor, send_counts: Sequence[int]) -> None:

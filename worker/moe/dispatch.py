@@ -7,9 +7,13 @@ plan over an `AllToAllBackend`) and the in-flight objects `PendingDispatch` and
 
 Each token is sent at most once to each rank, however many of its top-k experts that
 rank holds; with it travel its top-k expert ids and router weights, masked (id -1,
-weight 0) where the expert lives elsewhere. The expert rank returns one float32 row
-per received row, already weighted and summed over its local experts; combine sends
-these rows back along the reverse split and sums them per origin token.
+weight 0) where the expert lives elsewhere, packed into the same row
+(`worker.moe.payload`), so a dispatch is one transfer: one latency, one turn on the
+link. It is started with `start_all_to_all_v`, so a backend that can defer the count
+exchange (`CommStreamBackend`) lets the caller yield before the ranks have lined up.
+The expert rank returns one float32 row per received row, already weighted and summed
+over its local experts; combine sends these rows back along the reverse split and
+sums them per origin token.
 
 Invariants: sent rows are grouped by destination rank in ascending order and, within a
 rank, by ascending token index; the combine rows come back in exactly that order.
@@ -18,12 +22,13 @@ Callers: `worker.moe.layer.ExpertParallelMoE`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from worker.moe.a2a import AllToAllBackend, AllToAllHandle
+from worker.moe.payload import RowLayout, pack_rows, unpack_rows
 from worker.moe.placement import ExpertPlacement
 
 
@@ -70,13 +75,24 @@ def _recv_hooks(handles: tuple[AllToAllHandle, ...]) -> tuple[Callable[[], objec
 
 
 class PendingDispatch:
-    """A started dispatch; `wait` returns the `DispatchedTokens` this rank received."""
+    """A started dispatch; `wait` returns the `DispatchedTokens` this rank received.
 
-    __slots__ = ("_handles", "_plan")
+    With a `layout`, `handles` is one transfer of packed rows (hidden, ids, weights);
+    if that handle is a `CountedHandle` (started before the counts were exchanged),
+    the plan's `recv_counts` are taken from it at `wait`. Without a layout, `handles`
+    is three transfers, one per field, under a complete plan.
+    """
 
-    def __init__(self, handles: tuple[AllToAllHandle, ...], plan: DispatchPlan) -> None:
+    __slots__ = ("_handles", "_plan", "_layout")
+
+    def __init__(
+        self, handles: tuple[AllToAllHandle, ...], plan: DispatchPlan, layout: RowLayout | None = None
+    ) -> None:
+        if len(handles) != (1 if layout is not None else 3):
+            raise ValueError(f"a {'packed' if layout else 'field-wise'} dispatch cannot have {len(handles)} handles")
         self._handles = handles
         self._plan = plan
+        self._layout = layout
 
     def is_completed(self) -> bool:
         return all(h.is_completed() for h in self._handles)
@@ -86,8 +102,14 @@ class PendingDispatch:
         return _recv_hooks(self._handles)
 
     def wait(self) -> DispatchedTokens:
-        hidden, expert_ids, weights = (h.wait() for h in self._handles)
-        return DispatchedTokens(hidden, expert_ids, weights, self._plan)
+        if self._layout is None:
+            hidden, expert_ids, weights = (h.wait() for h in self._handles)
+            return DispatchedTokens(hidden, expert_ids, weights, self._plan)
+        (handle,) = self._handles
+        hidden, expert_ids, weights = unpack_rows(handle.wait(), self._layout)
+        recv_counts = getattr(handle, "recv_counts", None)
+        plan = self._plan if recv_counts is None else replace(self._plan, recv_counts=recv_counts())
+        return DispatchedTokens(hidden, expert_ids, weights, plan)
 
 
 class PendingCombine:
@@ -127,21 +149,22 @@ class ExpertDispatcher:
     def dispatch(self, hidden: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> PendingDispatch:
         """Start sending each token of hidden [T, H] to the ranks of its expert_ids [T, k].
 
-        Blocks only for the count exchange; the row transfers run behind the handle.
+        The count exchange and the row transfer both run behind the handle where the
+        backend can do that (`CommStreamBackend`); otherwise this blocks for the counts.
         """
         table = self._rank_table.to(expert_ids.device)
         token_index, dest_rank, send_counts = plan_dispatch(expert_ids, table, self.placement.ep_size)
-        recv_counts = self.backend.exchange_counts(send_counts)
-        plan = DispatchPlan(token_index, send_counts, recv_counts, hidden.shape[0])
+        # recv_counts are filled in from the handle once the counts are exchanged.
+        plan = DispatchPlan(token_index, send_counts, [], hidden.shape[0])
         sent_ids = expert_ids.index_select(0, token_index)
         elsewhere = table[sent_ids] != dest_rank.unsqueeze(1)
         sent_ids = sent_ids.masked_fill(elsewhere, -1)
         sent_weights = weights.float().index_select(0, token_index).masked_fill(elsewhere, 0.0)
-        handles = tuple(
-            self.backend.all_to_all(rows, send_counts, recv_counts)
-            for rows in (hidden.index_select(0, token_index), sent_ids, sent_weights)
-        )
-        return PendingDispatch(handles, plan)
+        fields = (hidden.index_select(0, token_index), sent_ids, sent_weights)
+        # One transfer, not three: each pays the link's latency and its turn on the link.
+        layout = RowLayout.of(fields)
+        handle = self.backend.start_all_to_all_v(pack_rows(fields, layout), send_counts)
+        return PendingDispatch((handle,), plan, layout)
 
     def combine(self, expert_out: torch.Tensor, plan: DispatchPlan) -> PendingCombine:
         """Start returning expert_out [num_recv, H] (float32, weighted) to the origin ranks."""
