@@ -53,6 +53,7 @@ from worker.model_runner import ModelInputs, ModelRunner, sub_batch
 from worker.models import AttentionMetadata, MoETransformer
 from worker.models.moe import MoE
 from worker.moe import AllToAllBackend, AllToAllHandle, ExpertParallelMoE
+from worker.moe.a2a import CountedHandle
 from worker.moe.dbo import DboConfig, agree_split, dbo_forward
 from worker.torch_engine import TorchEngine
 
@@ -78,6 +79,14 @@ class _MeteredHandle:
         started = time.perf_counter()
         try:
             return self._inner.wait()
+        finally:
+            self._meter.charge(time.perf_counter() - started)
+
+    def recv_counts(self) -> list[int]:
+        """A `start_all_to_all_v` handle's counts (may block until they are exchanged)."""
+        started = time.perf_counter()
+        try:
+            return self._inner.recv_counts()  # type: ignore[attr-defined, no-any-return]
         finally:
             self._meter.charge(time.perf_counter() - started)
 
@@ -131,6 +140,14 @@ class CommMeter(AllToAllBackend):
         finally:
             self.charge(time.perf_counter() - started)
         return _MeteredHandle(handle, self)
+
+    def start_all_to_all_v(self, rows: torch.Tensor, send_counts: Sequence[int]) -> CountedHandle:
+        started = time.perf_counter()
+        try:
+            handle = self.inner.start_all_to_all_v(rows, send_counts)
+        finally:
+            self.charge(time.perf_counter() - started)
+        return _MeteredHandle(handle, self)  # type: ignore[arg-type, return-value]
 
 
 class DPMetrics:

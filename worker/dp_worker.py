@@ -216,6 +216,7 @@ def run_rank(args: argparse.Namespace) -> int:
     from indexer.tokenizer import TokenizerError, load_tokenizer
     from worker import worker_cmd
     from worker.dp_engine import CommMeter
+    from worker.moe.a2a_stream import CommStreamBackend
     from worker.moe.a2a_torch import init_process_group_from_env
 
     rank, num_ranks = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -238,7 +239,11 @@ def run_rank(args: argparse.Namespace) -> int:
         participant = _join_dp_group(args, rank, num_ranks, cleanup)
         cleanup.callback(participant.close)
         model_name = args.model or torch_cmd.DEFAULT_MODEL_NAME
-        engine = torch_cmd.build_dp_engine(mine, model_name, tokenizer, mine.worker_id, participant, CommMeter(backend))
+        # The stream issues each dispatch's count exchange and rows behind a handle, so a
+        # micro-batch yields at once and the other computes while the ranks line up.
+        stream = CommStreamBackend(backend)
+        cleanup.callback(stream.close)
+        engine = torch_cmd.build_dp_engine(mine, model_name, tokenizer, mine.worker_id, participant, CommMeter(stream))
         return uvloop.run(_serve(mine, engine, rank))
 
 

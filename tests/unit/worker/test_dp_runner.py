@@ -19,6 +19,7 @@ from worker.model_runner import sub_batch
 from worker.models import ModelConfig
 from worker.moe import SingleProcessBackend
 from worker.moe.a2a_emulated import EmulatedLinkBackend
+from worker.moe.a2a_stream import CommStreamBackend
 from worker.moe.dbo import DboConfig
 from worker.sampling import SamplingParams
 
@@ -113,3 +114,17 @@ def test_the_meter_charges_time_blocked_on_the_link():
     assert sample_value(metrics, "kvgate_worker_step_comm_seconds_count") == 1
     assert sample_value(metrics, "kvgate_worker_step_compute_seconds_count") == 1
     assert core.runner.meter.take() == 0.0
+
+
+def test_the_meter_charges_the_stream_path_and_keeps_tokens_exact():
+    # The worker's stack: meter over a communication stream over the link. A dispatch
+    # starts through `start_all_to_all_v`; its counts and rows are charged when waited on.
+    latency_s = 0.004
+    link = EmulatedLinkBackend(SingleProcessBackend(), latency_s=latency_s)
+    core, metrics = dp_core(DBO, CommStreamBackend(link))
+    reference = EngineCore(CONFIG, MODEL, eos_token_id=ByteTokenizer.EOS_ID)
+    assert core.generate(prompts(), GREEDY) == reference.generate(prompts(), GREEDY)
+    assert sample_value(metrics, "kvgate_worker_step_comm_seconds_sum") >= latency_s
+    handle = core.runner.meter.start_all_to_all_v(torch.ones(3, 2), [3])
+    assert handle.recv_counts() == [3] and handle.wait().shape == (3, 2)
+    core.runner.meter.inner.close()
