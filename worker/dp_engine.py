@@ -53,7 +53,7 @@ from worker.model_runner import ModelInputs, ModelRunner, sub_batch
 from worker.models import AttentionMetadata, MoETransformer
 from worker.models.moe import MoE
 from worker.moe import AllToAllBackend, AllToAllHandle, ExpertParallelMoE
-from worker.moe.a2a import CountedHandle
+from worker.moe.a2a import CountedHandle, WrappedBackend
 from worker.moe.dbo import DboConfig, agree_split, dbo_forward
 from worker.torch_engine import TorchEngine
 
@@ -94,7 +94,7 @@ class _MeteredHandle:
         return getattr(self._inner, name)
 
 
-class CommMeter(AllToAllBackend):
+class CommMeter(WrappedBackend):
     """`inner`, plus the seconds its callers spent blocked in it since the last `take`.
 
     Blocked time is communication the step could not hide: the count exchange, starting
@@ -102,17 +102,9 @@ class CommMeter(AllToAllBackend):
     micro-batch's compute)."""
 
     def __init__(self, inner: AllToAllBackend) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self._lock = threading.Lock()
         self._blocked_s = 0.0
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.inner.world_size
 
     def charge(self, seconds: float) -> None:
         with self._lock:  # NOTE: both micro-batch threads charge the same meter

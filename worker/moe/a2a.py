@@ -119,6 +119,22 @@ class AllToAllBackend(ABC):
         return KnownCountsHandle(self.all_to_all(rows, send_counts, recv_counts), recv_counts)
 
 
+class WrappedBackend(AllToAllBackend, ABC):
+    """A backend that adds something around `inner` (link emulation, a stream, a meter):
+    same rank and group, its own `exchange_counts` and `all_to_all`."""
+
+    def __init__(self, inner: AllToAllBackend) -> None:
+        self.inner = inner
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+
 def check_counts(backend: AllToAllBackend, rows: torch.Tensor, send_counts: Sequence[int]) -> None:
     """Raise ValueError when `send_counts` does not describe `rows` for this group."""
     if len(send_counts) != backend.world_size:

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from worker.moe.a2a import AllToAllBackend, AllToAllHandle
+from worker.moe.a2a import AllToAllBackend, AllToAllHandle, WrappedBackend
 
 
 @dataclass(slots=True)
@@ -56,7 +56,7 @@ class DelayedHandle:
         return result
 
 
-class EmulatedLinkBackend(AllToAllBackend):
+class EmulatedLinkBackend(WrappedBackend):
     """`inner` with transfers slowed to `bytes_per_s` plus `latency_s` each."""
 
     def __init__(self, inner: AllToAllBackend, bytes_per_s: float = math.inf, latency_s: float = 0.0) -> None:
@@ -64,19 +64,11 @@ class EmulatedLinkBackend(AllToAllBackend):
             raise ValueError(f"bytes_per_s must be positive, got {bytes_per_s}")
         if latency_s < 0:
             raise ValueError(f"latency_s must be >= 0, got {latency_s}")
-        self.inner = inner
+        super().__init__(inner)
         self.bytes_per_s = bytes_per_s
         self.latency_s = latency_s
         self.stats = LinkStats()
         self._link_free_at = 0.0
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.inner.world_size
 
     def reset_stats(self) -> LinkStats:
         """Return the stats so far and start counting afresh."""

@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from worker.moe.a2a import AllToAllBackend, AllToAllHandle, CountedHandle, check_counts
+from worker.moe.a2a import AllToAllBackend, AllToAllHandle, CountedHandle, WrappedBackend, check_counts
 from worker.moe.ubatch import current_ubatch
 
 _STOP = None
@@ -62,26 +62,18 @@ class StreamHandle:
         return self._job.result().recv_counts()
 
 
-class CommStreamBackend(AllToAllBackend):
+class CommStreamBackend(WrappedBackend):
     """`inner`, with every collective issued in submission order, off the caller's
     thread where the caller has better things to do."""
 
     def __init__(self, inner: AllToAllBackend) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self._jobs: queue.SimpleQueue[tuple[Future, Callable[[], Any]] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._state = threading.Lock()  # guards _thread and _num_pending
         self._num_pending = 0  # jobs queued or running, on the stream or on a caller
         # NOTE: held while calling into `inner`; free whenever _num_pending is 0.
         self._issue = threading.Lock()
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.inner.world_size
 
     def exchange_counts(self, send_counts: Sequence[int]) -> list[int]:
         return self._run(lambda: self.inner.exchange_counts(send_counts), may_run_here=True).result()
