@@ -14,6 +14,7 @@ Callers: `bench/disagg.py`.
 
 from __future__ import annotations
 
+import json
 import statistics
 
 from bench.disagg_load import ClientRun, Outcome
@@ -93,6 +94,12 @@ def targets(result: dict) -> dict:
         met = value is not None and (value >= bound if sense == "min" else value <= bound)
         checks[key] = {"value": value, sense: bound, "met": met}
     return checks
+
+
+def print_report(result: dict) -> None:
+    """The table for people, then the whole result as the last line: one JSON object."""
+    print_table(result)
+    print(json.dumps(result, allow_nan=False))
 
 
 def print_table(result: dict) -> None:
