@@ -118,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     disagg.add_argument("--prefill-queue-max-deliveries", type=int, default=_QUEUE_DEFAULTS.max_deliveries,
                         help="deliveries of a job before it goes to the dead-letter stream")
     disagg.add_argument("--max-prefill-jobs", type=int, default=8, help="prefill: jobs run at once")
-    disagg.add_argument("--kv-host", default="127.0.0.1", help="decode: address the KV receiver listens on")
+    disagg.add_argument("--kv-host", default="127.0.0.1", help="decode: address the KV receiver listens on and prefill workers write to")
     disagg.add_argument("--kv-transport", choices=("auto", "tcp", "nixl"), default="auto",
                         help="torch engine: the KV transport (auto: NIXL when installed, else TCP)")
     disagg.add_argument("--sim-kv-bytes-per-token", type=int, default=131_072,
