@@ -5,8 +5,8 @@ Owns the router's `PrefillQueue` handle and the background task that, every
 `prefill` worker and hands the answers to the `router.disagg.PrefillDecider`. A depth
 that cannot be read (`QueueUnavailable`, or no answer within `_POLL_TIMEOUT_S`) makes
 the model's depth unknown, so the decider falls back to local prefill with the reason
-"queue_unavailable"; the queue reconnects by itself (`kvstore.redis_link`) and the
-next poll that succeeds makes decisions remote again.
+"queue_unavailable"; the queue reconnects by itself (`kvstore.redis_link`,
+`kvstore.reconnect`) and the next poll that succeeds makes decisions remote again.
 
 Invariants: the request path never awaits the queue, only this task does; the task
 survives any error of a single poll; the queue is started and closed here only if
