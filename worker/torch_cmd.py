@@ -191,4 +191,5 @@ def _engine_kwargs(args: argparse.Namespace, worker_id: str) -> dict[str, Any]:
         "replay_endpoint": args.replay_endpoint or None,
         "load_endpoint": args.load_endpoint or None,
         "load_interval_s": args.load_interval,
+        "remote_prefill_timeout_s": args.remote_prefill_timeout,
     }
