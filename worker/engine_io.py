@@ -1,9 +1,12 @@
 """What an engine sends out besides tokens: its KV events, its load reports, its token rate.
 
 Owns `EnginePublishers`, the pair of ZMQ publishers an engine opens from its (events,
-replay, load) endpoints, with the load-report throttle, and `TokenRate`, the sliding
-window behind `EngineStats.generation_tokens_per_s`. `worker.sim.SimEngine` and
-`worker.torch_engine.TorchEngine` each own one of both; nothing else calls them.
+replay, load) endpoints, with the load-report throttle, `TokenRate`, the sliding
+window behind `EngineStats.generation_tokens_per_s`, and `EngineOutlets`, the part of
+an engine around its core that both engines share: its state, its publishers and the
+hand-off of remote prefills to `worker.disagg`. `worker.sim.SimEngine` and
+`worker.torch_engine.TorchEngine` each own one of the first two and derive from the
+third; nothing else calls them.
 
 Invariants:
 - `open()` binds every configured publisher or none: a bind error closes the ones
@@ -24,7 +27,9 @@ from collections.abc import Callable
 
 from indexer.events import KVEvent
 from indexer.load import LoadReport
+from worker.api import GenerateRequest
 from worker.kv_publisher import KVEventPublisher, LoadPublisher
+from worker.remote_prefill import RemoteCounters, RemotePrefills, RemoteRequest
 
 Clock = Callable[[], float]
 
@@ -125,3 +130,62 @@ class TokenRate:
         """Tokens in the window divided by its full length (a young engine reads low)."""
         since = self._clock() - self._window_s
         return sum(n for t, n in self._steps if t >= since) / self._window_s
+
+
+class EngineOutlets:
+    """An engine's state, publishers and remote-prefill hand-off (see the module doc).
+
+    A subclass sets `_state`, `_publishers` and `remote` in its constructor, and
+    delivers disaggregation events to its owner thread in `_remote_event`.
+    """
+
+    _state: str
+    _publishers: EnginePublishers
+    remote: RemotePrefills
+    _remote_handler: Callable[[list[RemoteRequest]], None] | None = None
+
+    @property
+    def is_alive(self) -> bool:
+        return self._state == "running"
+
+    @property
+    def kv_publisher(self) -> KVEventPublisher | None:
+        return self._publishers.kv_publisher
+
+    @property
+    def load_publisher(self) -> LoadPublisher | None:
+        return self._publishers.load_publisher
+
+    @property
+    def remote_counters(self) -> RemoteCounters:
+        return self.remote.counters
+
+    def set_remote_handler(self, handler: Callable[[list[RemoteRequest]], None]) -> None:
+        """Where remote prefills go (a `DecodeLink`, called on the event loop), set before
+        `start`; without one, every prefill is local."""
+        self._remote_handler = handler
+
+    def remote_ready(self, request_id: str) -> None:
+        """The KV of `request_id` arrived (any thread)."""
+        self._remote_event("ready", request_id)
+
+    def remote_failed(self, request_id: str) -> None:
+        """The job of `request_id` could not be queued: prefill it locally (any thread)."""
+        self._remote_event("failed", request_id)
+
+    def release(self, request_id: str) -> None:
+        """Frees the blocks a `hold_blocks` request kept after finishing (any thread)."""
+        self._remote_event("release", request_id)
+
+    def _remote_event(self, event: str, request_id: str) -> None:
+        """Hands `RemotePrefills.apply(event, request_id)` to the engine's owner."""
+        raise NotImplementedError
+
+    def _wants_remote(self, request: GenerateRequest) -> bool:
+        return request.remote_prefill and self._remote_handler is not None
+
+    def _take_remote_requests(self, now: float) -> list[RemoteRequest]:
+        """The remote prefills admitted since the last call (owner thread), for the handler."""
+        requests = self.remote.take_requests(now)
+        assert not requests or self._remote_handler is not None, "remote prefill admitted without a handler"
+        return requests

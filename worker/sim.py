@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -34,9 +34,8 @@ from indexer.load import LoadReport
 from worker.api import EngineUnavailable, GenerateRequest, InvalidRequest, ServedModel
 from worker.block_pool import BlockPool
 from worker.engine import EngineOutput, EngineStats, OutputStreams
-from worker.engine_io import EnginePublishers, TokenRate
-from worker.kv_publisher import KVEventPublisher, LoadPublisher
-from worker.remote_prefill import RemoteCounters, RemotePrefills, RemoteRequest
+from worker.engine_io import EngineOutlets, EnginePublishers, TokenRate
+from worker.remote_prefill import RemotePrefills
 from worker.scheduler import RequestState, Scheduler, StepResult
 
 logger = logging.getLogger(__name__)
@@ -116,7 +115,7 @@ class OutputScript:
         return token_id
 
 
-class SimEngine:
+class SimEngine(EngineOutlets):
     """Runs a `Scheduler` in real time (scaled by `speedup`), publishing its KV events
     and load reports; implements `worker.engine.Engine`."""
 
@@ -139,7 +138,6 @@ class SimEngine:
         self.pool = BlockPool(config.num_blocks, config.block_size, model=served.name)
         self.scheduler = Scheduler(config, self.pool)
         self.remote = RemotePrefills(self.scheduler, remote_prefill_timeout_s)
-        self._remote_handler: Callable[[list[RemoteRequest]], None] | None = None
         self._remote_events: list[tuple[str, str]] = []  # (what, request id): ready, failed, release
         self._passage = served.tokenizer.encode(LOREM).tolist()
         # The load timer task forces periodic reports, so the throttle has no interval of its own.
@@ -155,18 +153,6 @@ class SimEngine:
         self._rate = TokenRate()
 
     # -- lifecycle -----------------------------------------------------------------
-
-    @property
-    def is_alive(self) -> bool:
-        return self._state == "running"
-
-    @property
-    def kv_publisher(self) -> KVEventPublisher | None:
-        return self._publishers.kv_publisher
-
-    @property
-    def load_publisher(self) -> LoadPublisher | None:
-        return self._publishers.load_publisher
 
     async def start(self) -> None:
         """Binds the publishers (ZMQ errors raise here) and starts the step loop."""
@@ -207,7 +193,7 @@ class SimEngine:
         stop_eos = None if request.ignore_eos else eos_token_id
         state = RequestState(
             request.request_id, prompt, len(prompt), request.max_tokens, script, stop_eos,
-            remote_prefill=request.remote_prefill and self._remote_handler is not None,
+            remote_prefill=self._wants_remote(request),
             hold_blocks=request.hold_blocks,
         )
         outputs = self._streams.open(request.request_id)
@@ -223,26 +209,8 @@ class SimEngine:
 
     # -- disaggregation (worker.disagg) ------------------------------------------------
 
-    @property
-    def remote_counters(self) -> RemoteCounters:
-        return self.remote.counters
-
-    def set_remote_handler(self, handler: Callable[[list[RemoteRequest]], None]) -> None:
-        """Where remote prefills go (a `DecodeLink`); without one, every prefill is local."""
-        self._remote_handler = handler
-
-    def remote_ready(self, request_id: str) -> None:
-        self._remote_event("ready", request_id)
-
-    def remote_failed(self, request_id: str) -> None:
-        self._remote_event("failed", request_id)
-
-    def release(self, request_id: str) -> None:
-        """Frees the blocks a `hold_blocks` request kept after finishing."""
-        self._remote_event("release", request_id)
-
-    def _remote_event(self, what: str, request_id: str) -> None:
-        self._remote_events.append((what, request_id))
+    def _remote_event(self, event: str, request_id: str) -> None:
+        self._remote_events.append((event, request_id))
         self._wake.set()
 
     def _apply_remote_events(self, now: float) -> None:
@@ -252,10 +220,8 @@ class SimEngine:
         self.remote.expire(now)
 
     def _hand_over_remote(self, now: float) -> None:
-        requests = self.remote.take_requests(now)
-        if requests:
-            assert self._remote_handler is not None, "remote prefill admitted without a handler"
-            self._remote_handler(requests)
+        if requests := self._take_remote_requests(now):
+            self._remote_handler(requests)  # type: ignore[misc]  # checked by _take_remote_requests
 
     # -- the step loop ---------------------------------------------------------------
 

@@ -38,9 +38,8 @@ from indexer.load import LoadReport
 from worker.api import EngineUnavailable, GenerateRequest, InvalidRequest, ServedModel
 from worker.engine import EngineOutput, EngineStats, OutputStreams
 from worker.engine_core import EngineCore, RequestRejected
-from worker.engine_io import EnginePublishers, TokenRate
-from worker.kv_publisher import KVEventPublisher, LoadPublisher
-from worker.remote_prefill import RemoteCounters, RemotePrefills, RemoteRequest
+from worker.engine_io import EngineOutlets, EnginePublishers, TokenRate
+from worker.remote_prefill import RemotePrefills
 from worker.sampling import SamplingParams, sampling_params
 from worker.scheduler import StepResult
 
@@ -72,7 +71,7 @@ class _Remote:
 _Command = _Add | _Abort | _Remote | None  # None only wakes the thread
 
 
-class TorchEngine:
+class TorchEngine(EngineOutlets):
     """Runs an `EngineCore` in a thread; implements `worker.engine.Engine`."""
 
     def __init__(
@@ -114,7 +113,6 @@ class TorchEngine:
         self._state = "not started"  # -> running -> stopped, or -> dead if a step failed
         self._rate = TokenRate()
         self.remote = RemotePrefills(core.scheduler, remote_prefill_timeout_s)
-        self._remote_handler: Callable[[list[RemoteRequest]], None] | None = None
         self._stats = self._snapshot()
 
     @property
@@ -122,18 +120,6 @@ class TorchEngine:
         return self._served
 
     # -- lifecycle -----------------------------------------------------------------
-
-    @property
-    def is_alive(self) -> bool:
-        return self._state == "running"
-
-    @property
-    def kv_publisher(self) -> KVEventPublisher | None:
-        return self._publishers.kv_publisher
-
-    @property
-    def load_publisher(self) -> LoadPublisher | None:
-        return self._publishers.load_publisher
 
     async def start(self) -> None:
         """Binds the publishers (ZMQ errors raise here) and starts the engine thread."""
@@ -179,8 +165,7 @@ class TorchEngine:
             outputs = self._streams.open(request.request_id)
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="request_id") from None
-        remote = request.remote_prefill and self._remote_handler is not None
-        self._inbox.put(_Add(request.request_id, prompt, params, remote, request.hold_blocks))
+        self._inbox.put(_Add(request.request_id, prompt, params, self._wants_remote(request), request.hold_blocks))
         return outputs
 
     def abort(self, request_id: str) -> None:
@@ -192,25 +177,8 @@ class TorchEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
-    # -- disaggregation (event loop or any thread; worker.disagg) ------------------------
-
-    @property
-    def remote_counters(self) -> RemoteCounters:
-        return self.remote.counters
-
-    def set_remote_handler(self, handler: Callable[[list[RemoteRequest]], None]) -> None:
-        """Where remote prefills go (a `DecodeLink`, called on the loop); before `start`."""
-        self._remote_handler = handler
-
-    def remote_ready(self, request_id: str) -> None:
-        self._inbox.put(_Remote("ready", request_id))
-
-    def remote_failed(self, request_id: str) -> None:
-        self._inbox.put(_Remote("failed", request_id))
-
-    def release(self, request_id: str) -> None:
-        """Frees the blocks a `hold_blocks` request kept after finishing."""
-        self._inbox.put(_Remote("release", request_id))
+    def _remote_event(self, event: str, request_id: str) -> None:
+        self._inbox.put(_Remote(event, request_id))
 
     # -- the engine thread -----------------------------------------------------------
 
@@ -255,10 +223,8 @@ class TorchEngine:
         return min(self._load_interval_s, max(due - time.monotonic(), 0.0))
 
     def _hand_over_remote(self) -> None:
-        requests = self.remote.take_requests(time.monotonic())
-        if requests:
-            assert self._remote_handler is not None, "remote prefill admitted without a handler"
-            self._call_on_loop(self._remote_handler, requests)
+        if requests := self._take_remote_requests(time.monotonic()):
+            self._call_on_loop(self._remote_handler, requests)  # type: ignore[arg-type]
 
     def _add(self, command: _Add) -> None:
         # NOTE: cannot be rejected: `submit` checked it, its id has an open stream (so no
