@@ -57,7 +57,7 @@ if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 
 from bench.disagg_fleet import Fleet, FleetConfig  # noqa: E402
 from bench.disagg_load import ClientRun, WorkloadConfig, make_schedule, run_schedule, warm_up  # noqa: E402
-from bench.disagg_report import mode_figures, print_report, ratio, targets  # noqa: E402
+from bench.disagg_report import json_line, mode_figures, print_table, ratio, targets  # noqa: E402
 from bench.routing_measure import Progress  # noqa: E402
 from worker.sim import SimConfig  # noqa: E402
 
@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         counters = {label: fleet.counters() if modes[label] else {} for label, fleet in fleets.items()}
     result = summarize(runs, counters, modes, args, workload)
     result["config"]["load_avg_1m"] = [round(load_at_start, 2), round(os.getloadavg()[0], 2)]  # at start, at end
-    print_report(result)
+    print_table(result)
+    print(json_line(result))  # the last line: one JSON object
     return 0
 
 

@@ -96,10 +96,9 @@ def targets(result: dict) -> dict:
     return checks
 
 
-def print_report(result: dict) -> None:
-    """The table for people, then the whole result as the last line: one JSON object."""
-    print_table(result)
-    print(json.dumps(result, allow_nan=False))
+def json_line(result: dict) -> str:
+    """The whole result as one JSON object: the bench's last printed line."""
+    return json.dumps(result, allow_nan=False)
 
 
 def print_table(result: dict) -> None:
