@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from array import array
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -17,7 +18,7 @@ import pytest
 from indexer.tokenizer import ByteTokenizer
 from kvstore.http_queue import HttpPrefillQueue
 from kvstore.memory_queue import MemoryPrefillQueue
-from kvstore.prefill_queue import QueueConfig
+from kvstore.prefill_queue import PrefillQueue, QueueConfig
 from worker.api import GenerateRequest, ServedModel
 from worker.disagg import DecodeLink, PrefillLoop
 from worker.sim import SimConfig, SimEngine
@@ -109,52 +110,41 @@ async def test_short_prompt_is_prefilled_locally_even_when_asked_remote(pair: Pa
     assert pair.decode.remote_counters.num_requested == 0
 
 
-async def test_no_prefill_worker_falls_back_at_the_deadline():
-    queue = MemoryPrefillQueue()
+@asynccontextmanager
+async def decode_only(queue: PrefillQueue, timeout_s: float) -> AsyncIterator[SimEngine]:
+    """A decode engine linked to `queue` with no prefill worker anywhere."""
     await queue.start()
-    decode = engine("D", timeout_s=0.3)
+    decode = engine("D", timeout_s=timeout_s)
     await decode.start()
     ingress = SimIngress(BS, CONFIG.num_blocks)
     await ingress.start()
     link = DecodeLink(queue, ingress, decode, model=MODEL, worker_id="D", block_size=BS)
     try:
+        yield decode
+    finally:
+        await link.close()
+        await decode.stop()
+        await queue.close()
+
+
+async def test_no_prefill_worker_falls_back_at_the_deadline():
+    async with decode_only(MemoryPrefillQueue(), timeout_s=0.3) as decode:
         loop = asyncio.get_running_loop()
         start = loop.time()
         assert len(await run(decode, request("f", prompt(4, 300)))) == 6
         assert loop.time() - start >= 0.3
         assert decode.remote_counters.num_fallback_deadline == 1
-    finally:
-        await link.close()
-        await decode.stop()
-        await queue.close()
 
 
 async def test_unreachable_queue_falls_back_at_once():
     queue = HttpPrefillQueue("http://127.0.0.1:1", QueueConfig(op_timeout_s=0.2))  # nothing listens there
-    await queue.start()
-    decode = engine("D", timeout_s=30.0)
-    await decode.start()
-    ingress = SimIngress(BS, CONFIG.num_blocks)
-    await ingress.start()
-    link = DecodeLink(queue, ingress, decode, model=MODEL, worker_id="D", block_size=BS)
-    try:
+    async with decode_only(queue, timeout_s=30.0) as decode:
         assert len(await asyncio.wait_for(run(decode, request("u", prompt(5, 300))), 5)) == 6
         assert decode.remote_counters.num_fallback_unqueued == 1
-    finally:
-        await link.close()
-        await decode.stop()
-        await queue.close()
 
 
 async def test_aborted_remote_request_holds_its_blocks_until_the_deadline():
-    queue = MemoryPrefillQueue()
-    await queue.start()
-    decode = engine("D", timeout_s=0.4)
-    await decode.start()
-    ingress = SimIngress(BS, CONFIG.num_blocks)
-    await ingress.start()
-    link = DecodeLink(queue, ingress, decode, model=MODEL, worker_id="D", block_size=BS)
-    try:
+    async with decode_only(MemoryPrefillQueue(), timeout_s=0.4) as decode:
         outputs = decode.submit(request("a", prompt(6, 300)))
         task = asyncio.ensure_future(outputs.__anext__())
         await asyncio.sleep(0.1)
@@ -166,7 +156,3 @@ async def test_aborted_remote_request_holds_its_blocks_until_the_deadline():
         await asyncio.sleep(0.9)  # past the deadline plus the grace
         assert not decode.scheduler.held and decode.pool.num_used_blocks == 0
         assert decode.remote_counters.num_aborted == 1
-    finally:
-        await link.close()
-        await decode.stop()
-        await queue.close()
