@@ -38,7 +38,7 @@ from kvstore.prefill_queue import PrefillQueue, QueueUnavailable
 from kvstore.transfer import KVTransferError, ReceiverEndpoint
 from worker.api import ApiError, EngineUnavailable, GenerateRequest
 from worker.engine import Engine
-from worker.remote_prefill import RemoteRequest
+from worker.remote_prefill import RemoteCounters, RemoteRequest
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,9 @@ class KVEgress(Protocol):
 
 class DisaggEngine(Engine, Protocol):
     """What the disaggregation halves need of an engine beyond `worker.engine.Engine`."""
+
+    @property
+    def remote_counters(self) -> RemoteCounters: ...
 
     def set_remote_handler(self, handler: Callable[[list[RemoteRequest]], None]) -> None: ...
 

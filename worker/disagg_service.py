@@ -24,7 +24,6 @@ from prometheus_client.registry import Collector
 
 from kvstore.prefill_queue import PrefillQueue
 from worker.disagg import DecodeLink, DisaggEngine, KVEgress, KVIngress, PrefillLoop
-from worker.remote_prefill import RemoteCounters
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +84,7 @@ class DisaggService:
 
     def counters(self) -> dict[str, int]:
         values = self.link.counters.snapshot() if self.link is not None else {}
-        remote: RemoteCounters | None = getattr(self.engine, "remote_counters", None)
-        if remote is not None:
-            values.update(remote.snapshot())
-        return values
+        return values | self.engine.remote_counters.snapshot()
 
 
 class DisaggCollector(Collector):
